@@ -1,0 +1,2103 @@
+#!/usr/bin/env python3
+"""llmqueue: serialise many coding-agent sessions onto one local model server.
+
+One daemon owns a unix socket, speaks newline-delimited JSON, and hands out leased slots per
+endpoint: interactive sessions (tier ``parent``) first, subagents (tier ``child``) behind them,
+with aging so nobody starves, no preemption of a live stream, and self-healing when a client dies
+(its lease's TTL lapses) or idles (an activity-flagged holder yields to a waiter).
+
+The module reads top to bottom in dependency order:
+
+1. constants and limits, errors;
+2. the pure core -- config validation, addressing, lease terms, the scheduler -- which never
+   touches a socket, a file or a clock: every decision takes ``now`` and returns events;
+3. the wire protocol (request parsing, reply encoding);
+4. the daemon: a single-threaded ``selectors`` loop with a timer heap and mtime polling;
+5. the command line and ``main()``.
+
+Standard library only; CPython 3.8 to 3.13.  Copy this one file anywhere and run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import heapq
+import json
+import os
+import selectors
+import signal
+import socket
+import stat
+import struct
+import sys
+import threading
+import time
+from collections import OrderedDict
+from typing import IO, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlreadyRunning",
+    "Addressing",
+    "Config",
+    "ConfigError",
+    "Daemon",
+    "DaemonError",
+    "Evicted",
+    "Granted",
+    "Lease",
+    "LeaseTerms",
+    "LLMQueueError",
+    "OverCapacity",
+    "ProtocolError",
+    "QueuePolicy",
+    "Queued",
+    "Released",
+    "Scheduler",
+    "Waiter",
+    "address_endpoint_key",
+    "load_catalog",
+    "load_config",
+    "main",
+    "normalize_url",
+    "parse_request",
+    "validate_config",
+]
+
+# =================================================================================================
+# Constants and limits
+#
+# Every limit is named here with the reason it exists.  Durations are milliseconds throughout,
+# measured on the monotonic clock; wall time appears only in the event log's ``ts``.
+# =================================================================================================
+
+SCHEMA_VERSION = 1  # spec: the newest llm-queue.json schemaVersion this module understands
+
+MAX_LINE_BYTES = 100 * 1024  # spec: framing -- a peer that sends more without a newline is cut off
+# A peer that stops reading its replies is cut off once this much is queued for it, so its unsent
+# output stays bounded and the loop never blocks on it.  Large enough for a status reply that
+# lists tens of thousands of waiters.
+MAX_OUTPUT_BYTES = 8 * 1024 * 1024
+RECV_BYTES = 256 * 1024  # one recv per readable turn per peer
+ACCEPTS_PER_TURN = 64  # redis: a fixed number of accepts per turn keeps a connect storm fair
+ACCEPT_PAUSE_MS = 100.0  # out of descriptors: stop accepting this long instead of spinning
+
+MIN_LEASE_TTL_MS = 1000  # spec: leaseTtlMs minimum
+BEAT_FLOOR_MS = 250.0  # spec: the keyed beat runs at leaseTtlMs / 3, never faster than this
+NO_CLIENT_EXIT_FLOOR_MS = 30000  # spec: a daemon whose spawner never connects does not linger
+MAX_TIMER_MS = 2**31 - 1  # spec: the idle-exit delay is clamped to setTimeout's cap (~24.8 days)
+MAX_CONFIG_INT = 2**31 - 1  # no config number needs more; larger ones are typos, refused by name
+CONFIG_DEBOUNCE_MS = 250.0  # spec: hot-reload debounce -- an editor's save settles first
+CONFIG_POLL_MS = 1000.0  # the config stat poll; an idle daemon wakes at most this often
+DEFAULT_SWEEP_MS = 1000  # spec: --sweep-ms default
+GRACE_MS = 3000  # spec: a client releases this long after its run settles
+
+ROLES = ("parent", "child")  # wire names of the tiers, in grant order
+PARENT, CHILD = 0, 1
+POLICIES = ("priority-aging", "fifo")
+
+DEFAULT_BLOCKING_TOOLS = (
+    "subagent",
+    "subagent_wait",
+    "bg_wait",
+    "ask_user",
+    "contact_supervisor",
+    "intercom",
+)
+
+# =================================================================================================
+# Errors
+#
+# One root.  A peer's fault (ProtocolError) costs that peer an error reply and nothing else; a bad
+# config file (ConfigError) keeps the last good config; a daemon that cannot serve raises
+# DaemonError.  A bug of ours is none of these and fails loudly.
+# =================================================================================================
+
+
+class LLMQueueError(Exception):
+    """The root of every error this module raises on purpose."""
+
+
+class ProtocolError(LLMQueueError):
+    """A request that cannot be served as sent: the peer gets ``{"op":"error","reason":...}``."""
+
+
+class ConfigError(LLMQueueError):
+    """A config file with violations; ``errors`` lists every one, path-named."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+class DaemonError(LLMQueueError):
+    """The daemon cannot serve: the socket path is unusable, or the agent dir cannot be made."""
+
+
+class AlreadyRunning(DaemonError):
+    """Another daemon already serves this socket; a second one leaves it alone and exits 0."""
+
+
+# =================================================================================================
+# Config
+#
+# ``validate_config`` is one pure function: it takes the parsed JSON value and returns the
+# Config together with every violation, each named by its path, never only the first.  Unknown
+# keys are warnings.  A config with any error is not used at all: the daemon serves with defaults
+# at startup and keeps the last good config on a reload.
+# =================================================================================================
+
+
+class QueuePolicy(NamedTuple):
+    """The resolved policy of one queue: defaults overlaid with its own entry."""
+
+    max_streams: Optional[int]  # None: passthrough (``enabled: false``), every acquire granted
+    policy: str = "priority-aging"
+    lease_ttl_ms: int = 30000
+    aging_after_slots: int = 3
+    aging_after_ms: int = 60000
+    idle_yield_ms: int = 30000
+
+
+DEFAULT_POLICY = QueuePolicy(max_streams=1)
+
+# The wire name of each queue-policy field, its attribute, and its rule.
+_POLICY_FIELDS: Dict[str, Tuple[str, str]] = {
+    "maxStreams": ("max_streams", "positive"),
+    "policy": ("policy", "policy"),
+    "leaseTtlMs": ("lease_ttl_ms", "ttl"),
+    "agingAfterSlots": ("aging_after_slots", "nonneg"),
+    "agingAfterMs": ("aging_after_ms", "nonneg"),
+    "idleYieldMs": ("idle_yield_ms", "nonneg"),
+}
+_CLIENT_FIELDS = ("failOpen", "queueTimeoutMs", "blockingTools")
+_DAEMON_FIELDS = ("daemonIdleExitMs", "logFile")
+_ENTRY_ONLY_FIELDS = ("enabled", "match")
+
+
+class QueueEntry(NamedTuple):
+    """One entry of ``queues``: an endpoint URL, a provider name, or (with ``match``) a group."""
+
+    name: str
+    policy: QueuePolicy  # already overlaid on defaults; max_streams None when disabled
+    enabled: bool = True
+    match: Optional[Tuple[str, ...]] = None
+
+
+class Config(NamedTuple):
+    """A validated llm-queue.json.  ``Config()`` is the all-defaults config of a missing file."""
+
+    defaults: QueuePolicy = DEFAULT_POLICY
+    queues: Tuple[QueueEntry, ...] = ()  # in file order: "first group that names it" needs it
+    fail_open: bool = True
+    queue_timeout_ms: int = 60000
+    blocking_tools: Tuple[str, ...] = DEFAULT_BLOCKING_TOOLS
+    daemon_idle_exit_ms: int = 0
+    log_file: Optional[str] = None
+    schema_version: int = SCHEMA_VERSION
+
+
+def _show(value: Any) -> str:
+    """A config value as the user wrote it, for error messages."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_field(path: str, rule: str, value: Any, errors: list[str]) -> bool:
+    """Append a path-named message to ``errors`` unless ``value`` obeys ``rule``."""
+    got = f"(got {_show(value)})"
+    if rule == "positive":
+        if not _is_int(value) or not 1 <= value <= MAX_CONFIG_INT:
+            errors.append(f"{path} must be a positive integer {got}")
+            return False
+    elif rule == "nonneg":
+        if not _is_int(value) or not 0 <= value <= MAX_CONFIG_INT:
+            errors.append(f"{path} must be a non-negative integer {got}")
+            return False
+    elif rule == "ttl":
+        if not _is_int(value) or not MIN_LEASE_TTL_MS <= value <= MAX_CONFIG_INT:
+            errors.append(f"{path} must be an integer of at least {MIN_LEASE_TTL_MS} {got}")
+            return False
+    elif rule == "policy":
+        if value not in POLICIES:
+            errors.append(f"{path} must be one of {', '.join(POLICIES)} {got}")
+            return False
+    elif rule == "bool":
+        if not isinstance(value, bool):
+            errors.append(f"{path} must be true or false {got}")
+            return False
+    elif rule == "any-nonneg":  # clamped where it is used, so any size is accepted
+        if not _is_int(value) or value < 0:
+            errors.append(f"{path} must be a non-negative integer {got}")
+            return False
+    elif rule == "path":
+        if value is not None and (not isinstance(value, str) or not value):
+            errors.append(f"{path} must be a file path or null {got}")
+            return False
+    elif rule == "names":
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            errors.append(f"{path} must be a list of non-empty strings {got}")
+            return False
+    elif rule == "match":
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(v, str) and v for v in value)
+        ):
+            errors.append(f"{path} must be a non-empty list of endpoint URLs or provider names {got}")
+            return False
+    else:  # pragma: no cover - a rule name we forgot to implement is our bug
+        raise AssertionError(rule)
+    return True
+
+
+def _overlay(base: QueuePolicy, path: str, obj: dict[str, Any], errors: list[str]) -> QueuePolicy:
+    """``base`` with the valid queue-policy fields of ``obj`` applied."""
+    changes: dict[str, Any] = {}
+    for wire, (attr, rule) in _POLICY_FIELDS.items():
+        if wire in obj and _check_field(f"{path}.{wire}", rule, obj[wire], errors):
+            changes[attr] = obj[wire]
+    return base._replace(**changes)
+
+
+def validate_config(raw: Any) -> tuple[Config, list[str], list[str]]:
+    """Validate a parsed llm-queue.json.  Returns ``(config, errors, warnings)``.
+
+    Every violation is reported, each named by its path.  When ``errors`` is non-empty the
+    returned config must not be used (it holds whatever was valid, for check-config's report).
+    """
+    errors: list[str] = []
+    warnings: list[str] = []
+    if not isinstance(raw, dict):
+        return Config(), [f"the config must be a JSON object (got {_show(raw)})"], []
+    for key in raw:
+        if key not in ("schemaVersion", "defaults", "queues"):
+            warnings.append(f"{key} is not a config field and is ignored")
+
+    schema = raw.get("schemaVersion", SCHEMA_VERSION)
+    if not _is_int(schema) or schema < 1:
+        errors.append(f"schemaVersion must be a positive integer (got {_show(schema)})")
+        schema = SCHEMA_VERSION
+    elif schema > SCHEMA_VERSION:
+        errors.append(
+            f"schemaVersion {schema} is newer than this llmqueue understands "
+            f"({SCHEMA_VERSION}): upgrade llmqueue"
+        )
+
+    defaults_raw = raw.get("defaults", {})
+    fields: dict[str, Any] = {}
+    defaults = DEFAULT_POLICY
+    if not isinstance(defaults_raw, dict):
+        errors.append(f"defaults must be an object (got {_show(defaults_raw)})")
+    else:
+        defaults = _overlay(DEFAULT_POLICY, "defaults", defaults_raw, errors)
+        for key, value in defaults_raw.items():
+            path = f"defaults.{key}"
+            if key in _POLICY_FIELDS:
+                continue
+            if key == "failOpen":
+                if _check_field(path, "bool", value, errors):
+                    fields["fail_open"] = value
+            elif key == "queueTimeoutMs":
+                if _check_field(path, "nonneg", value, errors):
+                    fields["queue_timeout_ms"] = value
+            elif key == "blockingTools":
+                if _check_field(path, "names", value, errors):
+                    fields["blocking_tools"] = tuple(value)
+            elif key == "daemonIdleExitMs":
+                if _check_field(path, "any-nonneg", value, errors):
+                    fields["daemon_idle_exit_ms"] = value
+            elif key == "logFile":
+                if _check_field(path, "path", value, errors):
+                    fields["log_file"] = value
+            elif key in _ENTRY_ONLY_FIELDS:
+                warnings.append(f"{path} is ignored: it is valid on queue entries only")
+            else:
+                warnings.append(f"{path} is not a config field and is ignored")
+
+    entries: list[QueueEntry] = []
+    queues_raw = raw.get("queues", {})
+    if not isinstance(queues_raw, dict):
+        errors.append(f"queues must be an object (got {_show(queues_raw)})")
+        queues_raw = {}
+    for name, entry in queues_raw.items():
+        path = f"queues.{name}"
+        if not name:
+            errors.append("queues has an entry with an empty name")
+            continue
+        if not isinstance(entry, dict):
+            errors.append(f"{path} must be an object (got {_show(entry)})")
+            continue
+        policy = _overlay(defaults, path, entry, errors)
+        enabled = True
+        match: Optional[Tuple[str, ...]] = None
+        if "enabled" in entry and _check_field(f"{path}.enabled", "bool", entry["enabled"], errors):
+            enabled = entry["enabled"]
+        if "match" in entry and _check_field(f"{path}.match", "match", entry["match"], errors):
+            match = tuple(entry["match"])
+        for key in entry:
+            if key in _CLIENT_FIELDS or key in _DAEMON_FIELDS:
+                warnings.append(f"{path}.{key} is ignored: it is valid in defaults only")
+            elif key not in _POLICY_FIELDS and key not in _ENTRY_ONLY_FIELDS:
+                warnings.append(f"{path}.{key} is not a config field and is ignored")
+        if not enabled:
+            policy = policy._replace(max_streams=None)
+        entries.append(QueueEntry(name, policy, enabled, match))
+
+    config = Config(defaults=defaults, queues=tuple(entries), schema_version=schema, **fields)
+    return config, errors, warnings
+
+
+class ConfigLoad(NamedTuple):
+    """What reading the config file found.  ``state`` is one of:
+
+    ``ok`` (``config`` is valid), ``missing`` (no file: all defaults, no error), ``torn`` (not
+    valid JSON, e.g. half-written: keep the last good config, silently on a reload), ``invalid``
+    (``errors`` lists every violation: keep the last good config), ``unreadable`` (the file or its
+    directory cannot be read: keep the last good config, ``errors`` says why).
+    """
+
+    state: str
+    config: Config
+    errors: Tuple[str, ...] = ()
+    warnings: Tuple[str, ...] = ()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_config(path: str) -> ConfigLoad:
+    """Read and validate the config file at ``path`` (file I/O; validation stays pure)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        if os.path.isdir(os.path.dirname(path) or "."):
+            return ConfigLoad("missing", Config())
+        return ConfigLoad("unreadable", Config(), (f"{os.path.dirname(path)}: directory is gone",))
+    except OSError as e:
+        return ConfigLoad("unreadable", Config(), (f"{path}: {e.strerror or e}",))
+    try:
+        raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return ConfigLoad("torn", Config(), (f"{path}: not valid JSON ({e})",))
+    config, errors, warnings = validate_config(raw)
+    return ConfigLoad("invalid" if errors else "ok", config, tuple(errors), tuple(warnings))
+
+
+def load_catalog(path: Optional[str]) -> dict[str, str]:
+    """pi's models.json as ``{provider name: baseUrl}``; a missing or broken file is empty."""
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            raw = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    providers = raw.get("providers") if isinstance(raw, dict) else None
+    if not isinstance(providers, dict):
+        return {}
+    catalog: dict[str, str] = {}
+    for name, provider in providers.items():
+        if isinstance(provider, dict):
+            url = provider.get("baseUrl")
+            if isinstance(url, str) and url:
+                catalog[name] = url
+    return catalog
+
+
+# =================================================================================================
+# Addressing (the spec's ADR 0005)
+#
+# A queueKey is an endpoint URL, a provider name or a group name; this section is the one place
+# that decides which queue owns it and which policy governs that queue, for the daemon and for
+# clients alike.  Rules, in order:
+#   - a group's own name is its queue;
+#   - a provider named exactly by an enabled group's ``match`` belongs to that group (split);
+#   - an endpoint URL named by an enabled group's ``match`` belongs to the first such group
+#     (merge); a provider follows its endpoint there;
+#   - otherwise an endpoint is its own queue (keyed by its normalised URL); a provider's key
+#     resolves to its baseUrl through models.json.  The endpoint's policy comes from the entry
+#     keyed by its URL, else from the first provider-name entry that resolves to it;
+#   - a key that names nothing known is a queue of its own (with its entry's policy, if any).
+# A disabled group does not re-key its members.  URLs are compared after normalisation.
+# =================================================================================================
+
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def _is_url(key: str) -> bool:
+    return "://" in key
+
+
+def normalize_url(url: str) -> str:
+    """An endpoint URL in the form queues compare: scheme and host lower-cased, the scheme's
+    default port dropped, trailing slashes removed.  The path, query and user info keep their
+    case.  A key that is not a URL is returned unchanged."""
+    if not _is_url(url):
+        return url
+    scheme, _, rest = url.partition("://")
+    scheme = scheme.lower()
+    cut = len(rest)
+    for sep in "/?#":
+        i = rest.find(sep)
+        if i >= 0:
+            cut = min(cut, i)
+    authority, tail = rest[:cut], rest[cut:]
+    userinfo, at, hostport = authority.rpartition("@")
+    host, colon, port = hostport.rpartition(":") if not hostport.endswith("]") else (hostport, "", "")
+    if not colon or not port.isdigit():
+        host, port = hostport, ""
+    host = host.lower()
+    if port and _DEFAULT_PORTS.get(scheme) == port:
+        port = ""
+    authority = f"{userinfo}{at}{host}{':' + port if port else ''}"
+    path, qmark, query = tail.partition("?")
+    path = path.rstrip("/")
+    return f"{scheme}://{authority}{path}{qmark}{query}"
+
+
+class Addressing:
+    """The addressing rules over one config and one models.json catalog.
+
+    Built once per (re)load; every lookup is a few dict probes.
+    """
+
+    def __init__(self, config: Config = Config(), catalog: Optional[dict[str, str]] = None) -> None:
+        self.config = config
+        self.catalog = dict(catalog or {})
+        self._groups: dict[str, QueueEntry] = {}
+        self._url_group: dict[str, QueueEntry] = {}
+        self._provider_group: dict[str, QueueEntry] = {}
+        self._endpoint_entry: dict[str, QueueEntry] = {}
+        self._named_entry: dict[str, QueueEntry] = {}
+        self._cache: dict[str, tuple[str, QueuePolicy]] = {}
+        for entry in config.queues:
+            if entry.match is None:
+                continue
+            self._groups.setdefault(entry.name, entry)
+            if not entry.enabled:
+                continue  # spec: a disabled group does not re-key its members
+            for member in entry.match:
+                if _is_url(member):
+                    self._url_group.setdefault(normalize_url(member), entry)
+                else:
+                    self._provider_group.setdefault(member, entry)
+        providers_by_url: list[tuple[str, QueueEntry]] = []
+        for entry in config.queues:
+            if entry.match is not None or entry.name in self._groups:
+                continue
+            if _is_url(entry.name):
+                self._endpoint_entry.setdefault(normalize_url(entry.name), entry)
+            else:
+                self._named_entry.setdefault(entry.name, entry)
+                url = self.catalog.get(entry.name)
+                if url:
+                    providers_by_url.append((normalize_url(url), entry))
+        for url, entry in providers_by_url:  # a baseUrl key wins over a provider-name key
+            self._endpoint_entry.setdefault(url, entry)
+
+    def address_endpoint(self, key: str) -> tuple[str, QueuePolicy]:
+        """The queue that owns ``key`` (as a raw client names it) and that queue's policy."""
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._resolve(key)
+            if len(self._cache) >= 4096:  # bounded: keys are chosen by peers
+                self._cache.clear()
+            self._cache[key] = hit
+        return hit
+
+    def _resolve(self, key: str) -> tuple[str, QueuePolicy]:
+        group = self._groups.get(key)
+        if group is not None:
+            return group.name, group.policy
+        if _is_url(key):
+            return self._endpoint(normalize_url(key))
+        group = self._provider_group.get(key)
+        if group is not None:
+            return group.name, group.policy
+        url = self.catalog.get(key)
+        if url:
+            return self._endpoint(normalize_url(url), self._named_entry.get(key))
+        entry = self._named_entry.get(key)
+        return key, entry.policy if entry else self.config.defaults
+
+    def _endpoint(self, url: str, fallback: Optional[QueueEntry] = None) -> tuple[str, QueuePolicy]:
+        group = self._url_group.get(url)
+        if group is not None:
+            return group.name, group.policy
+        entry = self._endpoint_entry.get(url) or fallback
+        return url, entry.policy if entry else self.config.defaults
+
+    def address_model(self, provider: Optional[str], base_url: Optional[str]) -> str:
+        """The key a client that knows its model (provider and baseUrl) queues under: the group
+        naming the provider exactly, else the group naming its endpoint, else the endpoint."""
+        if provider:
+            group = self._provider_group.get(provider)
+            if group is not None:
+                return group.name
+            if not base_url:
+                base_url = self.catalog.get(provider)
+        if base_url:
+            return self._endpoint(normalize_url(base_url))[0]
+        return provider or ""
+
+
+def address_endpoint_key(key: str, config: Config = Config(), catalog: Optional[dict[str, str]] = None) -> str:
+    """Convenience: the queue that owns ``key`` under ``config`` and ``catalog``."""
+    return Addressing(config, catalog).address_endpoint(key)[0]
+
+
+# =================================================================================================
+# Lease terms (the spec's ADR 0009)
+#
+# The one place that owns a lease's terms: their shape, the refresh period they imply, their wire
+# encoding, and the growth rule.  The daemon writes terms through it and the client reads them
+# through it.  A held lease's TTL only ever grows; its idle-yield window is fixed at grant.
+# =================================================================================================
+
+
+class LeaseTerms(NamedTuple):
+    """The TTL and the idle-yield window a lease is held under."""
+
+    ttl_ms: int
+    idle_yield_ms: int
+
+    @classmethod
+    def of(cls, policy: QueuePolicy) -> LeaseTerms:
+        return cls(policy.lease_ttl_ms, policy.idle_yield_ms)
+
+    def refresh_period_ms(self) -> float:
+        """How often a live client refreshes the lease: ``ttl / 3`` (floor 250 ms), and at most
+        half the idle-yield window, so the lease neither lapses nor yields between beats."""
+        period = max(self.ttl_ms / 3.0, BEAT_FLOOR_MS)
+        if self.idle_yield_ms > 0:
+            period = min(period, self.idle_yield_ms / 2.0)
+        return period
+
+    def grown(self, queue_ttl_ms: int) -> LeaseTerms:
+        """The terms after a refresh under a queue whose TTL is now ``queue_ttl_ms``: the longer
+        TTL wins, so a policy edit never shortens a lease that is already held."""
+        if queue_ttl_ms <= self.ttl_ms:
+            return self
+        return self._replace(ttl_ms=queue_ttl_ms)
+
+    def to_wire(self) -> dict[str, int]:
+        return {"leaseTtlMs": self.ttl_ms, "idleYieldMs": self.idle_yield_ms}
+
+    @classmethod
+    def from_wire(cls, reply: dict[str, Any], fallback: LeaseTerms) -> LeaseTerms:
+        """The terms a ``granted`` reply carries; ``fallback`` (the client's own copy of the
+        config) for a daemon that sends none, field by field."""
+        ttl: Any = reply.get("leaseTtlMs")
+        idle: Any = reply.get("idleYieldMs")
+        return cls(
+            int(ttl) if _is_int(ttl) and ttl >= MIN_LEASE_TTL_MS else fallback.ttl_ms,
+            int(idle) if _is_int(idle) and idle >= 0 else fallback.idle_yield_ms,
+        )
+
+
+# =================================================================================================
+# The scheduler
+#
+# Sans-I/O: no sockets, no files, no clock.  Every mutator takes ``now`` (monotonic milliseconds)
+# and returns the events that happened, in order; the daemon turns the same event objects into
+# replies and log lines, so the two cannot disagree.  Rules that hold inside:
+#   - a queue never grants past ``maxStreams``; a lowered limit never preempts (over-capacity);
+#   - after every call, a queue with a free slot has no waiters;
+#   - waiters are ordered by (tier, sequence number taken at enqueue); aging picks the oldest
+#     child ahead of parents, it never rewrites a tier; ``fifo`` ignores tiers;
+#   - a grant of a queued waiter is a Switch; a direct grant into a free slot is not;
+#   - a holder is only ever removed by release, cancel, disconnect, TTL lapse or idle yield.
+# Costs: every operation is O(log n) in waiters and holders (heaps with lazy deletion), except
+# ``status`` (linear in what it reports) and ``reconfigure`` (a rebuild).
+# =================================================================================================
+
+Conn = Any  # an opaque, hashable connection identity chosen by the caller
+Target = Tuple[Any, str]  # (connection, the queueKey that connection asked with)
+
+
+class Lease:
+    """A Holder's slot: who holds it, on which terms, and since when.  ``conns`` are the
+    connections that acquired it; it lives while any of them does."""
+
+    __slots__ = (
+        "queue", "session", "role", "group", "activity", "terms", "seq", "key",
+        "granted_at", "last_beat", "last_activity", "conns", "held",
+    )
+
+    def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
+                 terms: LeaseTerms, seq: int, key: str, now: float) -> None:
+        self.queue = queue
+        self.session = session
+        self.role = role
+        self.group = group
+        self.activity = activity
+        self.terms = terms
+        self.seq = seq  # per-queue grant sequence number: a fencing token for history checks
+        self.key = key  # the queueKey it was first asked with; re-addressed on reload
+        self.granted_at = now
+        self.last_beat = now
+        self.last_activity = now
+        self.conns: set[Any] = set()
+        self.held = True
+
+    @property
+    def expires_at(self) -> float:
+        return self.last_beat + self.terms.ttl_ms
+
+    @property
+    def idle_at(self) -> Optional[float]:
+        """When this lease becomes yieldable, or None when it never does (unflagged or off)."""
+        if not self.activity or self.terms.idle_yield_ms <= 0:
+            return None
+        return self.last_activity + self.terms.idle_yield_ms
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.queue.key} {self.session} {ROLES[self.role]} seq={self.seq}>"
+
+
+class Waiter:
+    """A queued ``acquire``: a session waiting for a slot, with every (connection, key) to answer."""
+
+    __slots__ = (
+        "queue", "session", "role", "group", "activity", "seq", "key",
+        "enqueued_at", "parent_mark", "targets", "version", "live",
+    )
+
+    def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
+                 seq: int, key: str, now: float) -> None:
+        self.queue = queue
+        self.session = session
+        self.role = role
+        self.group = group
+        self.activity = activity
+        self.seq = seq  # scheduler-wide enqueue order: FIFO within a tier, across merges too
+        self.key = key
+        self.enqueued_at = now
+        self.parent_mark = queue.parent_grants  # parent grants seen at enqueue, for slot aging
+        self.targets: list[Target] = []
+        self.version = 0  # bumped on re-tier: heap entries of older versions are dead
+        self.live = True
+
+    def __repr__(self) -> str:
+        return f"<Waiter {self.queue.key} {self.session} {ROLES[self.role]} seq={self.seq}>"
+
+
+class Granted(NamedTuple):
+    """A session holds a slot.  ``new`` is false for a re-grant to a session that already held
+    it (no slot taken, nothing logged); ``switch`` marks the grant of a queued waiter."""
+
+    queue_key: str
+    lease: Lease
+    targets: Tuple[Target, ...]
+    new: bool = True
+    switch: bool = False
+
+
+class Queued(NamedTuple):
+    """An acquire parked as a waiter."""
+
+    queue_key: str
+    waiter: Waiter
+
+
+class Released(NamedTuple):
+    """A slot returned: ``reason`` is release, cancel, disconnect or idle (an idle yield)."""
+
+    queue_key: str
+    lease: Lease
+    reason: str
+
+
+class Evicted(NamedTuple):
+    """A lapsed lease reclaimed by the sweep (``reason`` ttl, the only eviction)."""
+
+    queue_key: str
+    lease: Lease
+    reason: str = "ttl"
+
+
+class OverCapacity(NamedTuple):
+    """A reload left more holders than the queue's new ``maxStreams``; they keep their slots."""
+
+    queue_key: str
+    holders: int
+    max_streams: int
+
+
+Event = Union[Granted, Queued, Released, Evicted, OverCapacity]
+
+
+class _Queue:
+    """One slot set: its holders in grant order, its waiters in enqueue order, and per tier a
+    heap of waiters for the pick."""
+
+    __slots__ = (
+        "key", "policy", "holders", "waiting", "heaps", "dead", "switches", "grants", "seq",
+        "parent_grants", "child_mark", "idle",
+    )
+
+    def __init__(self, key: str, policy: QueuePolicy) -> None:
+        self.key = key
+        self.policy = policy
+        self.holders: dict[str, Lease] = {}
+        self.waiting: dict[str, Waiter] = {}
+        self.heaps: tuple[list[tuple[int, int, Waiter]], list[tuple[int, int, Waiter]]] = ([], [])
+        self.dead = [0, 0]  # dead entries per heap, for compaction
+        self.switches = 0
+        self.grants = 0
+        self.seq = 0
+        self.parent_grants = 0  # parent grants ever; a child's slot-aging counts from its mark
+        self.child_mark = 0  # parent_grants at the last child grant: "in a row" restarts there
+        self.idle: OrderedDict[Lease, None] = OrderedDict()  # holders idle past their window
+
+    def has_room(self) -> bool:
+        limit = self.policy.max_streams
+        return limit is None or len(self.holders) < limit
+
+    def push(self, w: Waiter) -> None:
+        heapq.heappush(self.heaps[w.role], (w.seq, w.version, w))
+
+    def head(self, tier: int) -> Optional[Waiter]:
+        """The oldest live waiter of ``tier``, dropping dead heap entries on the way."""
+        heap = self.heaps[tier]
+        while heap:
+            _, version, w = heap[0]
+            if w.live and w.version == version and w.role == tier and w.queue is self:
+                return w
+            heapq.heappop(heap)
+            self.dead[tier] -= 1
+        return None
+
+    def bury(self, tier: int) -> None:
+        """One heap entry of ``tier`` went dead; compact when the dead outnumber the living."""
+        self.dead[tier] += 1
+        heap = self.heaps[tier]
+        if self.dead[tier] > 64 and self.dead[tier] * 2 > len(heap):
+            live = [e for e in heap if e[2].live and e[2].version == e[1] and e[2].role == tier
+                    and e[2].queue is self]
+            heapq.heapify(live)
+            self.heaps[tier][:] = live
+            self.dead[tier] = 0
+
+
+class Scheduler:
+    """Every queue's holders and waiters, and the decisions on them.
+
+    The caller owns I/O and the clock: it passes ``now`` (monotonic ms) into every call and
+    applies the returned events.  ``next_deadline()`` says when ``sweep`` next has work.
+    """
+
+    def __init__(self, addressing: Optional[Addressing] = None) -> None:
+        self.addressing = addressing or Addressing()
+        self._queues: dict[str, _Queue] = {}
+        self._seq = 0  # waiter enqueue order, scheduler-wide
+        self._conn_leases: dict[Any, set[Lease]] = {}
+        self._conn_waiters: dict[Any, set[Waiter]] = {}
+        self._session_waiters: dict[str, set[Waiter]] = {}
+        self._ttl_heap: list[tuple[float, int, Lease]] = []
+        self._idle_heap: list[tuple[float, int, Lease]] = []
+        self._idle_due: set[_Queue] = set()  # queues with idle holders that just got a waiter
+        self._tick = 0  # heap tie-breaker
+
+    # -- addressing -------------------------------------------------------------------------------
+
+    def _queue_for(self, key: str) -> _Queue:
+        owner, policy = self.addressing.address_endpoint(key)
+        q = self._queues.get(owner)
+        if q is None:
+            q = self._queues[owner] = _Queue(owner, policy)
+        return q
+
+    def _find(self, key: str) -> Optional[_Queue]:
+        return self._queues.get(self.addressing.address_endpoint(key)[0])
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def acquire(self, conn: Conn, key: str, session: str, role: str = "parent",
+                group: Optional[str] = None, activity: bool = False, *, now: float) -> list[Event]:
+        """A session asks for a slot of the queue ``key`` names.  Granted at once when a slot is
+        free (or the queue is passthrough); otherwise queued by tier.  A session that already
+        holds is re-granted without a second slot; one already waiting is not queued twice."""
+        tier = ROLES.index(role)
+        q = self._queue_for(key)
+        lease = q.holders.get(session)
+        if lease is not None:
+            self._attach(lease, conn)
+            self._refresh(lease, now, activity=True)
+            return [Granted(q.key, lease, ((conn, key),), new=False)]
+        w = q.waiting.get(session)
+        if w is not None:
+            if (conn, key) not in w.targets:
+                w.targets.append((conn, key))
+                self._conn_waiters.setdefault(conn, set()).add(w)
+            return []
+        if q.has_room():
+            lease = self._grant(q, session, tier, group, activity, key, now)
+            self._attach(lease, conn)
+            return [Granted(q.key, lease, ((conn, key),))]
+        self._seq += 1
+        w = Waiter(q, session, tier, group, activity, self._seq, key, now)
+        self._enqueue(q, w)
+        w.targets.append((conn, key))
+        self._conn_waiters.setdefault(conn, set()).add(w)
+        return [Queued(q.key, w)]
+
+    def release(self, key: str, session: str, *, now: float, reason: str = "release") -> list[Event]:
+        """The session's slot returns to its queue (a no-op when it holds none)."""
+        q = self._find(key)
+        lease = q.holders.get(session) if q else None
+        if q is None or lease is None:
+            return []
+        events: list[Event] = []
+        self._drop_lease(lease, Released(q.key, lease, reason), events)
+        self._fill(q, now, events)
+        return events
+
+    def cancel(self, key: str, session: str, *, now: float) -> list[Event]:
+        """Esc: drop the session's queued request and release a slot it already holds."""
+        q = self._find(key)
+        if q is None:
+            return []
+        w = q.waiting.get(session)
+        if w is not None:
+            self._drop_waiter(w)
+        return self.release(key, session, now=now, reason="cancel")
+
+    def set_role(self, session: str, role: str, *, now: float) -> list[Event]:
+        """Re-tier the session's live waiters in place (their enqueue order is kept).  A holder
+        keeps the tier it was granted with.  Nothing is granted: no slot freed."""
+        tier = ROLES.index(role)
+        for w in list(self._session_waiters.get(session, ())):
+            if w.role != tier:
+                w.queue.bury(w.role)
+                w.role = tier
+                w.version += 1
+                w.queue.push(w)
+        return []
+
+    def renew(self, conn: Conn, *, now: float) -> int:
+        """A bare heartbeat: refresh the TTL of every lease the connection holds; their count."""
+        leases = self._conn_leases.get(conn, ())
+        for lease in leases:
+            self._refresh(lease, now, activity=False)
+        return len(leases)
+
+    def beat(self, key: str, session: str, *, now: float) -> bool:
+        """A keyed activity beat: refresh that lease's TTL and activity.  False means the session
+        holds no slot there (released, yielded, evicted): the client must re-queue."""
+        q = self._find(key)
+        lease = q.holders.get(session) if q else None
+        if lease is None:
+            return False
+        self._refresh(lease, now, activity=True)
+        return True
+
+    def disconnect(self, conn: Conn, *, now: float, reason: str = "disconnect") -> list[Event]:
+        """The connection is gone: drop what it queued, then release what it held."""
+        events: list[Event] = []
+        for w in self._conn_waiters.pop(conn, ()):
+            w.targets = [t for t in w.targets if t[0] != conn]
+            if not w.targets and w.live:
+                self._drop_waiter(w)
+        touched: list[_Queue] = []
+        for lease in self._conn_leases.pop(conn, ()):
+            lease.conns.discard(conn)
+            if not lease.conns and lease.held:
+                touched.append(lease.queue)
+                self._drop_lease(lease, Released(lease.queue.key, lease, reason), events)
+        for q in touched:
+            self._fill(q, now, events)
+        return events
+
+    # -- the sweep --------------------------------------------------------------------------------
+
+    def next_deadline(self) -> Optional[float]:
+        """The earliest ``now`` at which ``sweep`` may have work, or None when it has none."""
+        if self._idle_due:
+            return float("-inf")
+        times = [h[0][0] for h in (self._ttl_heap, self._idle_heap) if h]
+        return min(times) if times else None
+
+    def sweep(self, *, now: float) -> list[Event]:
+        """Two passes.  TTL eviction, unconditional: a lapsed lease is a dead client.  Idle
+        yield, gated: an activity-flagged holder silent past its window loses the slot, but only
+        to a waiter.  Cost follows what is due, not how many leases exist."""
+        events: list[Event] = []
+        heap = self._ttl_heap
+        while heap and heap[0][0] <= now:
+            _, _, lease = heapq.heappop(heap)
+            if not lease.held:
+                continue
+            if lease.expires_at > now:  # refreshed since: look again when it is due
+                self._push(heap, lease.expires_at, lease)
+                continue
+            q = lease.queue
+            self._drop_lease(lease, Evicted(q.key, lease), events)
+            self._fill(q, now, events)
+        heap = self._idle_heap
+        while heap and heap[0][0] <= now:
+            _, _, lease = heapq.heappop(heap)
+            idle_at = lease.idle_at
+            if not lease.held or idle_at is None or lease in lease.queue.idle:
+                continue
+            if idle_at > now:
+                self._push(heap, idle_at, lease)
+                continue
+            lease.queue.idle[lease] = None
+            self._idle_due.add(lease.queue)
+        for q in sorted(self._idle_due, key=lambda q: q.key):
+            while q.waiting and q.idle:
+                lease = next(iter(q.idle))
+                self._drop_lease(lease, Released(q.key, lease, "idle"), events)
+                self._fill(q, now, events)
+        self._idle_due.clear()
+        return events
+
+    # -- reload -----------------------------------------------------------------------------------
+
+    def reconfigure(self, addressing: Addressing, *, now: float) -> list[Event]:
+        """Apply a reloaded config: re-address every holder and waiter through the new groups,
+        so they move with their queue, re-apply policy, grant into widened queues, and report
+        every queue left over capacity.  No holder loses its slot."""
+        self.addressing = addressing
+        old = self._queues
+        leases = sorted((l for q in old.values() for l in q.holders.values()),
+                        key=lambda l: (l.granted_at, l.seq))
+        waiters = sorted((w for q in old.values() for w in q.waiting.values()), key=lambda w: w.seq)
+        self._queues = {}
+        for q in old.values():  # a queue that keeps its key keeps its counters
+            owner, policy = addressing.address_endpoint(q.key)
+            if owner == q.key:
+                q.policy = policy
+                q.holders, q.waiting, q.heaps, q.dead = {}, {}, ([], []), [0, 0]
+                q.idle = OrderedDict()
+                self._queues[q.key] = q
+        self._idle_due.clear()
+        events: list[Event] = []
+        for lease in leases:
+            q = self._queue_for(lease.key)
+            same = q.holders.get(lease.session)
+            if same is not None:  # the same session held in two queues that merged
+                self._merge_lease(same, lease)
+                continue
+            lease.queue = q
+            lease.terms = lease.terms.grown(q.policy.lease_ttl_ms)  # a longer TTL applies at once
+            q.holders[lease.session] = lease
+            q.seq = max(q.seq, lease.seq)
+            if lease.idle_at is not None:
+                self._push(self._idle_heap, lease.idle_at, lease)
+        for w in waiters:
+            q = self._queue_for(w.key)
+            holder = q.holders.get(w.session)
+            if holder is not None:  # it waits where it now holds: answer it, switch-free
+                for conn, _ in w.targets:
+                    self._attach(holder, conn)
+                self._drop_waiter(w)
+                events.append(Granted(q.key, holder, tuple(w.targets), new=False))
+                continue
+            other = q.waiting.get(w.session)
+            if other is not None:
+                for t in w.targets:
+                    if t not in other.targets:
+                        other.targets.append(t)
+                        self._conn_waiters.setdefault(t[0], set()).add(other)
+                self._drop_waiter(w)
+                continue
+            w.queue = q
+            w.parent_mark = q.parent_grants
+            w.version += 1
+            q.waiting[w.session] = w
+            q.push(w)
+        for q in self._queues.values():
+            self._fill(q, now, events)
+            limit = q.policy.max_streams
+            if limit is not None and len(q.holders) > limit:
+                events.append(OverCapacity(q.key, len(q.holders), limit))
+        return events
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def status(self) -> list[dict[str, Any]]:
+        """Every queue as ``status`` reports it: holders in grant order, waiters in enqueue order."""
+        def who(x: Union[Lease, Waiter]) -> dict[str, Any]:
+            return {"sessionKey": x.session, "role": ROLES[x.role], "group": x.group}
+
+        return [
+            {
+                "queueKey": q.key,
+                "maxStreams": q.policy.max_streams,
+                "switches": q.switches,
+                "holders": [who(l) for l in q.holders.values()],
+                "waiting": [who(w) for w in q.waiting.values()],
+                "grants": q.grants,
+            }
+            for q in self._queues.values()
+        ]
+
+    def holders(self, key: str) -> list[Lease]:
+        q = self._find(key)
+        return list(q.holders.values()) if q else []
+
+    def waiters(self, key: str) -> list[Waiter]:
+        q = self._find(key)
+        return list(q.waiting.values()) if q else []
+
+    def queue_keys(self) -> list[str]:
+        return list(self._queues)
+
+    def conn_leases(self, conn: Conn) -> list[Lease]:
+        return list(self._conn_leases.get(conn, ()))
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _push(self, heap: list[tuple[float, int, Lease]], when: float, lease: Lease) -> None:
+        self._tick += 1
+        heapq.heappush(heap, (when, self._tick, lease))
+
+    def _grant(self, q: _Queue, session: str, tier: int, group: Optional[str], activity: bool,
+               key: str, now: float) -> Lease:
+        q.seq += 1
+        q.grants += 1
+        if tier == PARENT:
+            q.parent_grants += 1
+        else:
+            q.child_mark = q.parent_grants
+        lease = Lease(q, session, tier, group, activity, LeaseTerms.of(q.policy), q.seq, key, now)
+        q.holders[session] = lease
+        self._push(self._ttl_heap, lease.expires_at, lease)
+        idle_at = lease.idle_at
+        if idle_at is not None:
+            self._push(self._idle_heap, idle_at, lease)
+        return lease
+
+    def _attach(self, lease: Lease, conn: Conn) -> None:
+        lease.conns.add(conn)
+        self._conn_leases.setdefault(conn, set()).add(lease)
+
+    def _refresh(self, lease: Lease, now: float, *, activity: bool) -> None:
+        lease.terms = lease.terms.grown(lease.queue.policy.lease_ttl_ms)
+        lease.last_beat = now
+        if activity:
+            lease.last_activity = now
+            q = lease.queue
+            if lease in q.idle:  # it spoke: no longer yieldable until its window passes again
+                del q.idle[lease]
+                idle_at = lease.idle_at
+                if idle_at is not None:
+                    self._push(self._idle_heap, idle_at, lease)
+
+    def _enqueue(self, q: _Queue, w: Waiter) -> None:
+        q.waiting[w.session] = w
+        q.push(w)
+        self._session_waiters.setdefault(w.session, set()).add(w)
+        if q.idle:
+            self._idle_due.add(q)
+
+    def _drop_waiter(self, w: Waiter) -> None:
+        w.live = False
+        q = w.queue
+        if q.waiting.get(w.session) is w:
+            del q.waiting[w.session]
+            q.bury(w.role)
+        peers = self._session_waiters.get(w.session)
+        if peers is not None:
+            peers.discard(w)
+            if not peers:
+                del self._session_waiters[w.session]
+        for conn, _ in w.targets:
+            mine = self._conn_waiters.get(conn)
+            if mine is not None:
+                mine.discard(w)
+                if not mine:
+                    del self._conn_waiters[conn]
+
+    def _drop_lease(self, lease: Lease, event: Event, events: list[Event]) -> None:
+        lease.held = False
+        q = lease.queue
+        if q.holders.get(lease.session) is lease:
+            del q.holders[lease.session]
+        q.idle.pop(lease, None)
+        for conn in lease.conns:
+            mine = self._conn_leases.get(conn)
+            if mine is not None:
+                mine.discard(lease)
+                if not mine:
+                    del self._conn_leases[conn]
+        events.append(event)
+
+    def _merge_lease(self, keep: Lease, gone: Lease) -> None:
+        gone.held = False
+        for conn in list(gone.conns):
+            self._conn_leases.get(conn, set()).discard(gone)
+            self._attach(keep, conn)
+        keep.last_beat = max(keep.last_beat, gone.last_beat)
+        keep.last_activity = max(keep.last_activity, gone.last_activity)
+        keep.terms = LeaseTerms(max(keep.terms.ttl_ms, gone.terms.ttl_ms), keep.terms.idle_yield_ms)
+
+    def _pick(self, q: _Queue, now: float) -> Optional[Waiter]:
+        parent, child = q.head(PARENT), q.head(CHILD)
+        if parent is None or child is None:
+            return parent or child
+        p = q.policy
+        if p.policy == "fifo":
+            return parent if parent.seq < child.seq else child
+        if p.aging_after_ms > 0 and now - child.enqueued_at >= p.aging_after_ms:
+            return child  # aged by time: the longest-waiting child jumps the queue
+        if p.aging_after_slots > 0 and (
+            q.parent_grants - max(child.parent_mark, q.child_mark) >= p.aging_after_slots
+        ):
+            return child  # aged by slots: that many parents were granted in a row while it waited
+        return parent
+
+    def _fill(self, q: _Queue, now: float, events: list[Event]) -> None:
+        """Grant waiters into free slots, by tier and age, until the queue is full or empty."""
+        while q.waiting and q.has_room():
+            w = self._pick(q, now)
+            if w is None:  # pragma: no cover - waiting and the heaps always agree
+                raise AssertionError(f"{q.key}: waiters without heap entries")
+            targets = tuple(w.targets)
+            self._drop_waiter(w)
+            lease = self._grant(q, w.session, w.role, w.group, w.activity, w.key, now)
+            for conn, _ in targets:
+                self._attach(lease, conn)
+            q.switches += 1
+            events.append(Granted(q.key, lease, targets, new=True, switch=True))
+
+
+# =================================================================================================
+# The wire protocol
+#
+# One JSON object per line.  ``parse_request`` turns a line into a Request or raises the one
+# ProtocolError, whatever the bytes: invalid UTF-8, invalid JSON, nesting deep enough to blow the
+# parser's stack, numbers too long to convert, a value that is not an object, an unknown op, a
+# field of the wrong type.  Unknown extra fields are ignored (forward compatibility).
+# =================================================================================================
+
+OPS = ("acquire", "release", "cancel", "role", "renew", "status", "bye")
+_KEYED_OPS = ("acquire", "release", "cancel")  # spec: a keyless one would hold an unnamed slot
+# Ops that make a connection count for idle-exit: they touch queue state.  status never does.
+_COUNTED_OPS = ("acquire", "renew", "role", "cancel")
+
+
+class Request(NamedTuple):
+    """A parsed, type-checked request.  Absent optional fields are None (``activity`` False)."""
+
+    op: str
+    queue_key: Optional[str] = None
+    session_key: Optional[str] = None
+    role: Optional[str] = None
+    group: Optional[str] = None
+    activity: bool = False
+
+
+def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
+    value = msg.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(f"{name} must be a non-empty string (got {_show(value)})")
+    return value
+
+
+def parse_request(line: Union[bytes, str]) -> Request:
+    """One request line (without its newline) as a Request; raises ProtocolError on anything
+    that is not a valid request, and nothing else."""
+    try:
+        text = line.decode("utf-8") if isinstance(line, bytes) else line
+    except UnicodeDecodeError:
+        raise ProtocolError("invalid UTF-8") from None
+    try:
+        msg = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ProtocolError("invalid JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and ints past the digit limit
+        raise ProtocolError(f"invalid JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"a request must be a JSON object (got {type(msg).__name__})")
+    op = msg.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError(f"op must be a string (got {_show(op)})")
+    if op not in OPS:
+        raise ProtocolError(f"unknown op: {_show(op)}")
+    queue_key = _text_field(msg, "queueKey")
+    session_key = _text_field(msg, "sessionKey")
+    group = msg.get("group")
+    if group is not None and not isinstance(group, str):
+        raise ProtocolError(f"group must be a string or null (got {_show(group)})")
+    role = msg.get("role")
+    if role is not None and role not in ROLES:
+        raise ProtocolError(f"role must be parent or child (got {_show(role)})")
+    activity = msg.get("activity")
+    if activity is not None and not isinstance(activity, bool):
+        raise ProtocolError(f"activity must be true or false (got {_show(activity)})")
+    if op in _KEYED_OPS and queue_key is None:
+        raise ProtocolError(f"{op} requires queueKey")
+    if op == "role" and role is None:
+        raise ProtocolError("role requires role (parent or child)")
+    if op == "renew" and queue_key is None and session_key is not None:
+        raise ProtocolError("a keyed renew requires queueKey")
+    return Request(op, queue_key, session_key, role, group, bool(activity))
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+_OK = b'{"op":"ok"}\n'
+
+
+def encode_granted(key: str, lease: Lease) -> bytes:
+    """The ``granted`` reply: the key the client asked with, its session, the lease's terms, and
+    the per-queue grant sequence number."""
+    reply: dict[str, Any] = {"op": "granted", "queueKey": key, "sessionKey": lease.session}
+    reply.update(lease.terms.to_wire())
+    reply["seq"] = lease.seq
+    return _line(reply)
+
+
+def _event_record(event: Event) -> list[dict[str, Any]]:
+    """The event log lines of one scheduler event (without ``ts``)."""
+    if isinstance(event, OverCapacity):
+        return [{"event": "config", "queueKey": event.queue_key, "reason": "over-capacity",
+                 "holders": event.holders, "maxStreams": event.max_streams}]
+    if isinstance(event, Queued):
+        w = event.waiter
+        return [{"event": "queued", "queueKey": event.queue_key, "sessionKey": w.session,
+                 "role": ROLES[w.role]}]
+    lease = event.lease
+    base = {"queueKey": event.queue_key, "sessionKey": lease.session, "role": ROLES[lease.role]}
+    if isinstance(event, Granted):
+        if not event.new:
+            return []
+        lines = [dict(event="grant", seq=lease.seq, **base)]
+        if event.switch:
+            lines.append(dict(event="switch", seq=lease.seq, **base))
+        return lines
+    if isinstance(event, Released):
+        return [dict(event="release", reason=event.reason, **base)]
+    return [dict(event="evict", reason=event.reason, **base)]
+
+
+def _iso_utc(wall: float) -> str:
+    """Wall time as an ISO-8601 UTC timestamp with milliseconds: 2026-11-29T15:44:01.123Z."""
+    whole = int(wall)
+    ms = int((wall - whole) * 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{ms:03d}Z"
+
+
+# =================================================================================================
+# The daemon
+#
+# One thread, one ``selectors`` loop, no locks.  Each turn: sleep until the earliest timer, read
+# the clock once, handle accepts and reads (each line: parse, one scheduler call, replies), write
+# what is pending, run due timers (sweep, config poll, debounce, idle-exit), append log lines.
+# Sockets are non-blocking; a peer's unsent output is bounded; a peer never blocks the loop.
+# =================================================================================================
+
+
+def default_agent_dir() -> str:
+    """pi's rule: ``$PI_CODING_AGENT_DIR``, else ``~/.pi/agent``."""
+    return os.environ.get("PI_CODING_AGENT_DIR") or os.path.join(os.path.expanduser("~"), ".pi", "agent")
+
+
+def _peer_uid(sock: socket.socket) -> Optional[int]:
+    """The connecting process's uid (SO_PEERCRED), or None where the platform cannot say."""
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if opt is None:
+        return None
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i"))
+    except OSError:
+        return None
+    return int(struct.unpack("3i", creds)[1])
+
+
+class _Conn:
+    """One client connection: its buffers and whether it counts toward idle-exit."""
+
+    __slots__ = ("sock", "inbuf", "out", "counted", "anon", "closing", "writing", "dirty")
+
+    def __init__(self, sock: socket.socket, number: int) -> None:
+        self.sock = sock
+        self.inbuf = bytearray()
+        self.out = bytearray()
+        self.counted = False
+        self.anon = f"~conn-{number}"  # the session of requests that name none
+        self.closing = False
+        self.writing = False
+        self.dirty = False
+
+
+_LISTENER = "listener"
+_WAKE = "wake"
+
+
+class Daemon:
+    """The queue daemon: owns the socket, the scheduler and the config watch.
+
+    ``Daemon(agent_dir).serve_forever()`` serves until ``stop()`` (thread-safe), a signal, or the
+    idle-exit; a host process can run ``serve_forever`` in a thread.  ``idle_exit_ms`` overrides
+    the config's ``daemonIdleExitMs``; a negative value never exits for idleness.
+    """
+
+    def __init__(self, agent_dir: Optional[str] = None, *, socket_path: Optional[str] = None,
+                 config_path: Optional[str] = None, models_json: Optional[str] = None,
+                 sweep_ms: int = DEFAULT_SWEEP_MS, idle_exit_ms: Optional[int] = None,
+                 stderr: Optional[IO[str]] = None) -> None:
+        if sweep_ms < 1:
+            raise ValueError("sweep_ms must be at least 1")
+        self.agent_dir = agent_dir or default_agent_dir()
+        self.socket_path = socket_path or os.path.join(self.agent_dir, "llm-queue.sock")
+        self.config_path = config_path or os.path.join(self.agent_dir, "llm-queue.json")
+        self.models_json = models_json or os.path.join(self.agent_dir, "models.json")
+        self.sweep_ms = sweep_ms
+        self.idle_exit_ms = idle_exit_ms
+        self._stderr = stderr
+        self.exit_reason: Optional[str] = None
+        self._stopping = False
+        self._listener: Optional[socket.socket] = None
+        self._sock_ino: Optional[int] = None
+        self._lock_fd: Optional[int] = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._conns: set[_Conn] = set()
+        self._conn_numbers = 0
+        self._counted = 0
+        self._dirty: list[_Conn] = []
+        self._doomed: list[_Conn] = []
+        self._timers: dict[str, float] = {}
+        self._timer_heap: list[tuple[float, str]] = []
+        self._origin = self._now = time.monotonic() * 1000.0
+        self._log_lines: list[dict[str, Any]] = []
+        self._reload_now = False
+        self._watch_sig: Any = None
+        self._pending_sig: Any = None
+        self._watch_note: Optional[str] = None
+        self.config = Config()
+        self.catalog: dict[str, str] = {}
+        self.scheduler = Scheduler()
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def _say(self, text: str) -> None:
+        """A line for a person on stderr; discarded when the daemon runs detached."""
+        try:
+            out = self._stderr or sys.stderr
+            out.write(f"llmqueue: {text}\n")
+            out.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def _socket_alive(self) -> bool:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(self.socket_path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except socket.timeout:
+            return True  # a live daemon with a full backlog
+        except OSError as e:
+            raise DaemonError(f"cannot probe {self.socket_path}: {e.strerror or e}") from None
+        finally:
+            probe.close()
+        return True
+
+    def bind(self) -> None:
+        """Take the socket: exit quietly (AlreadyRunning) if a live daemon serves it, reclaim a
+        stale socket file, refuse to replace anything that is not a socket.  A lock file beside
+        the socket serialises daemons that start at the same instant."""
+        if self._listener is not None:
+            return
+        import fcntl  # unix only, like the socket itself; imported here to keep startup lean
+
+        directory = os.path.dirname(os.path.abspath(self.socket_path))
+        if not os.path.isdir(directory):
+            try:
+                os.makedirs(directory, mode=0o700)
+                os.chmod(directory, 0o700)
+            except OSError as e:
+                raise DaemonError(f"cannot create {directory}: {e.strerror or e}") from None
+        try:
+            lock_fd = os.open(self.socket_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise DaemonError(f"cannot open {self.socket_path}.lock: {e.strerror or e}") from None
+        try:
+            deadline = time.monotonic() + 5.0
+            while True:
+                if self._socket_alive():
+                    raise AlreadyRunning(f"a daemon already serves {self.socket_path}")
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise DaemonError(f"cannot lock {self.socket_path}.lock: {e}") from None
+                if time.monotonic() > deadline:
+                    raise DaemonError(f"another daemon holds {self.socket_path}.lock but does not serve")
+                time.sleep(0.02)  # another daemon is starting or exiting: let it finish
+            if self._socket_alive():
+                raise AlreadyRunning(f"a daemon already serves {self.socket_path}")
+            try:
+                st = os.lstat(self.socket_path)
+            except FileNotFoundError:
+                pass
+            else:
+                if not stat.S_ISSOCK(st.st_mode):
+                    raise DaemonError(f"{self.socket_path} exists and is not a socket; refusing to replace it")
+                os.unlink(self.socket_path)  # stale: nobody listens on it
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                listener.bind(self.socket_path)
+                os.chmod(self.socket_path, 0o600)  # before listen: nobody can connect yet
+                listener.listen(4096)
+            except OSError as e:
+                listener.close()
+                raise DaemonError(f"cannot listen on {self.socket_path}: {e.strerror or e}") from None
+            listener.setblocking(False)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        self._lock_fd = lock_fd
+        self._listener = listener
+        self._sock_ino = os.stat(self.socket_path).st_ino
+
+    def stop(self) -> None:
+        """Ask the loop to finish (from any thread); serve_forever then cleans up and returns."""
+        self._stopping = True
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+
+    def serve_forever(self, *, install_signals: Optional[bool] = None) -> None:
+        """Serve until stopped.  Signals (SIGTERM/SIGINT stop, SIGHUP reloads) are handled when
+        running in the main thread, unless ``install_signals`` is False."""
+        self.bind()
+        if install_signals is None:
+            install_signals = threading.current_thread() is threading.main_thread()
+        restore = self._install_signals() if install_signals else None
+        try:
+            self._start()
+            while not self._stopping:
+                self._turn()
+        finally:
+            if restore is not None:
+                restore()
+            self._shutdown()
+
+    def _install_signals(self) -> Callable[[], None]:
+        def on_stop(signum: int, frame: Any) -> None:
+            self.exit_reason = self.exit_reason or signal.Signals(signum).name
+            self._stopping = True
+
+        def on_hup(signum: int, frame: Any) -> None:
+            self._reload_now = True
+
+        old = {s: signal.signal(s, h) for s, h in
+               ((signal.SIGTERM, on_stop), (signal.SIGINT, on_stop), (signal.SIGHUP, on_hup))}
+        old_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+
+        def restore() -> None:
+            signal.set_wakeup_fd(old_fd)
+            for s, h in old.items():
+                signal.signal(s, h)
+
+        return restore
+
+    def _start(self) -> None:
+        assert self._listener is not None
+        self._now = self._origin = time.monotonic() * 1000.0
+        self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._load_config(startup=True)
+        self._arm("poll", self._now + self._poll_ms())
+        delay = self._idle_exit_delay()
+        if delay is not None:  # spec: a daemon that never gets a client does not linger
+            self._arm("exit", self._now + max(delay, NO_CLIENT_EXIT_FLOOR_MS))
+
+    def _shutdown(self) -> None:
+        for c in list(self._conns):
+            try:
+                c.sock.close()
+            except OSError:
+                pass
+        self._conns.clear()
+        if self._listener is not None:
+            try:
+                if os.stat(self.socket_path).st_ino == self._sock_ino:
+                    os.unlink(self.socket_path)
+            except OSError:
+                pass
+            self._listener.close()
+            self._listener = None
+        self._flush_log()
+        self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # never unlinked: a waiter may hold this very inode
+            self._lock_fd = None
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _turn(self) -> None:
+        nxt = self._next_timer()
+        timeout = None if nxt is None else max(0.0, (nxt - self._now) / 1000.0)
+        ready = self._sel.select(timeout)
+        self._now = time.monotonic() * 1000.0  # the one clock read of this turn
+        for key, mask in ready:
+            data = key.data
+            if data is _LISTENER:
+                self._accept()
+            elif data is _WAKE:
+                self._drain_wake()
+            else:
+                c: _Conn = data
+                if mask & selectors.EVENT_READ and not c.closing:
+                    self._read(c)
+                if mask & selectors.EVENT_WRITE and not c.closing:
+                    self._write(c)
+                self._settle()
+        if self._reload_now:
+            self._reload_now = False
+            self._load_config()
+        self._run_timers()
+        self._settle()
+        self._arm_sweep()
+        self._flush_log()
+
+    def _settle(self) -> None:
+        """Write what is pending, in the order it became pending, and close doomed peers."""
+        while self._dirty or self._doomed:
+            dirty, self._dirty = self._dirty, []
+            for c in dirty:
+                c.dirty = False
+                if not c.closing:
+                    self._write(c)
+            while self._doomed:
+                self._close(self._doomed.pop())
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        for _ in range(ACCEPTS_PER_TURN):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: a listener that stays readable would spin the loop.
+                    # Stop accepting for a while; existing clients are served meanwhile.
+                    self._sel.unregister(self._listener)
+                    self._arm("accept", self._now + ACCEPT_PAUSE_MS)
+                    self._say(f"out of file descriptors ({e.strerror}); pausing accepts")
+                    return
+                continue  # ECONNABORTED and the like: that peer is gone already
+            uid = _peer_uid(sock)
+            if uid is not None and uid not in (0, os.getuid()):
+                sock.close()  # security: only our own user (or root) may queue
+                continue
+            sock.setblocking(False)
+            self._conn_numbers += 1
+            c = _Conn(sock, self._conn_numbers)
+            self._conns.add(c)
+            self._sel.register(sock, selectors.EVENT_READ, c)
+
+    def _read(self, c: _Conn) -> None:
+        try:
+            data = c.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._doom(c)
+            return
+        nl = data.find(b"\n")
+        if nl < 0:  # no complete line yet: keep it, unless it is already too long
+            c.inbuf += data
+            if len(c.inbuf) > MAX_LINE_BYTES:
+                self._doom(c)
+            return
+        if c.inbuf:
+            c.inbuf += data
+            data = bytes(c.inbuf)
+            c.inbuf.clear()
+        lines = data.split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            if len(line) > MAX_LINE_BYTES:
+                self._doom(c)
+                return
+            self._handle_line(c, line)
+            if c.closing:
+                return
+        if rest:
+            if len(rest) > MAX_LINE_BYTES:
+                self._doom(c)
+                return
+            c.inbuf += rest
+
+    def _handle_line(self, c: _Conn, line: bytes) -> None:
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not line.strip():
+            return
+        try:
+            req = parse_request(line)
+        except ProtocolError as e:
+            self._send(c, _line({"op": "error", "reason": str(e)}))
+            return
+        op = req.op
+        now = self._now
+        sched = self.scheduler
+        session = req.session_key or c.anon
+        if op in _COUNTED_OPS:
+            self._count(c)
+        if op == "acquire":
+            assert req.queue_key is not None
+            self._apply(sched.acquire(c, req.queue_key, session, req.role or "parent", req.group,
+                                      req.activity, now=now))
+        elif op == "release":
+            assert req.queue_key is not None
+            self._apply(sched.release(req.queue_key, session, now=now))
+            self._send(c, _OK)  # after the waiter's grant: the handoff goes out first
+        elif op == "renew":
+            if req.queue_key is None:
+                sched.renew(c, now=now)
+                self._send(c, _OK)
+            else:
+                granted = sched.beat(req.queue_key, session, now=now)
+                self._send(c, _line({"op": "ok", "queueKey": req.queue_key, "sessionKey": session,
+                                     "granted": granted}))
+        elif op == "cancel":
+            assert req.queue_key is not None
+            self._apply(sched.cancel(req.queue_key, session, now=now))
+        elif op == "role":
+            assert req.role is not None
+            self._apply(sched.set_role(session, req.role, now=now))
+        elif op == "status":
+            self._send(c, _line({"op": "status", "queues": sched.status()}))
+        elif op == "bye":  # spec (#63): disconnected now, though the socket stays open
+            self._apply(sched.disconnect(c, now=now))
+            self._uncount(c)
+
+    def _apply(self, events: list[Event]) -> None:
+        """Replies and log lines from the same events, so the two cannot disagree."""
+        for event in events:
+            if isinstance(event, Granted):
+                for conn, key in event.targets:
+                    if not conn.closing:
+                        self._send(conn, encode_granted(key, event.lease))
+            if self.config.log_file:
+                self._log_lines.extend(_event_record(event))
+
+    def _send(self, c: _Conn, data: bytes) -> None:
+        if c.closing:
+            return
+        if len(c.out) > MAX_OUTPUT_BYTES:
+            self._doom(c)  # it stopped reading: bounded output, then disconnected
+            return
+        c.out += data
+        if not c.dirty:
+            c.dirty = True
+            self._dirty.append(c)
+
+    def _write(self, c: _Conn) -> None:
+        if c.out:
+            try:
+                sent = c.sock.send(c.out)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._doom(c)
+                return
+            del c.out[:sent]
+        want = bool(c.out)
+        if want != c.writing:
+            c.writing = want
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0)
+            self._sel.modify(c.sock, events, c)
+
+    def _doom(self, c: _Conn) -> None:
+        if not c.closing:
+            c.closing = True
+            self._doomed.append(c)
+
+    def _close(self, c: _Conn) -> None:
+        if c not in self._conns:
+            return
+        self._conns.discard(c)
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.sock.close()
+        self._apply(self.scheduler.disconnect(c, now=self._now))
+        self._uncount(c)
+
+    # -- idle-exit --------------------------------------------------------------------------------
+
+    def _idle_exit_delay(self) -> Optional[float]:
+        ms = self.idle_exit_ms if self.idle_exit_ms is not None else self.config.daemon_idle_exit_ms
+        if ms < 0:
+            return None
+        return float(min(ms, MAX_TIMER_MS))
+
+    def _count(self, c: _Conn) -> None:
+        if not c.counted:
+            c.counted = True
+            self._counted += 1
+            self._disarm("exit")  # a counted (re)connect cancels a pending exit
+
+    def _uncount(self, c: _Conn) -> None:
+        if c.counted:
+            c.counted = False
+            self._counted -= 1
+            if self._counted == 0:
+                delay = self._idle_exit_delay()
+                if delay is not None:
+                    self._arm("exit", self._now + delay)
+
+    # -- timers -----------------------------------------------------------------------------------
+
+    def _arm(self, name: str, when: float) -> None:
+        if self._timers.get(name) != when:
+            self._timers[name] = when
+            heapq.heappush(self._timer_heap, (when, name))
+
+    def _disarm(self, name: str) -> None:
+        self._timers.pop(name, None)
+
+    def _next_timer(self) -> Optional[float]:
+        heap = self._timer_heap
+        while heap and self._timers.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)  # lazy deletion: re-armed or disarmed since
+        return heap[0][0] if heap else None
+
+    def _run_timers(self) -> None:
+        while True:
+            when = self._next_timer()
+            if when is None or when > self._now:
+                return
+            _, name = heapq.heappop(self._timer_heap)
+            del self._timers[name]
+            if name == "sweep":
+                self._apply(self.scheduler.sweep(now=self._now))
+            elif name == "poll":
+                self._poll_config()
+                self._arm("poll", self._grid(self._now, self._poll_ms()))
+            elif name == "debounce":
+                self._debounced()
+            elif name == "exit":
+                self.exit_reason = "idle"
+                self._stopping = True
+            elif name == "accept" and self._listener is not None:
+                self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
+
+    def _grid(self, at: float, step: float) -> float:
+        """The first tick of a ``step`` grid (from daemon start) after ``at``."""
+        n = (at - self._origin) // step + 1
+        return self._origin + n * step
+
+    def _arm_sweep(self) -> None:
+        """Arm the sweep for the first sweep tick at or after the scheduler's next deadline;
+        with nothing due (no leases) the sweep sleeps."""
+        due = self.scheduler.next_deadline()
+        if due is None:
+            self._disarm("sweep")
+            return
+        at = max(due, self._now)
+        tick = self._grid(at, self.sweep_ms)
+        if tick - self.sweep_ms >= at:  # ``at`` fell exactly on a tick
+            tick -= self.sweep_ms
+        self._arm("sweep", tick)
+
+    def _poll_ms(self) -> float:
+        return float(min(self.sweep_ms, CONFIG_POLL_MS))
+
+    # -- config -----------------------------------------------------------------------------------
+
+    def _watch_signature(self) -> Any:
+        sig: list[Any] = []
+        for path in (self.config_path, self.models_json):
+            try:
+                st = os.stat(path)
+                sig.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError as e:
+                sig.append(e.errno)
+        return tuple(sig)
+
+    def _poll_config(self) -> None:
+        sig = self._watch_signature()
+        if sig != self._watch_sig and "debounce" not in self._timers:
+            self._pending_sig = sig
+            self._arm("debounce", self._now + CONFIG_DEBOUNCE_MS)
+
+    def _debounced(self) -> None:
+        sig = self._watch_signature()
+        if sig != self._pending_sig:  # still being written: wait for it to settle
+            self._pending_sig = sig
+            self._arm("debounce", self._now + CONFIG_DEBOUNCE_MS)
+            return
+        self._load_config()
+
+    def _load_config(self, startup: bool = False) -> None:
+        self._watch_sig = self._watch_signature()
+        self._pending_sig = self._watch_sig
+        load = load_config(self.config_path)
+        catalog = load_catalog(self.models_json)
+        if load.state == "unreadable":
+            note = "; ".join(load.errors)
+            if note != self._watch_note:  # say it once, not every poll
+                keeping = "serving with defaults" if startup else "keeping the last good config"
+                self._say(f"config unreadable ({note}); {keeping}")
+            self._watch_note = note
+            if not startup:
+                return
+        elif self._watch_note is not None:
+            self._say(f"{self.config_path}: readable again")
+            self._watch_note = None
+        if load.state == "torn":
+            if startup:
+                self._say(f"{load.errors[0]}; serving with defaults")
+            else:
+                return  # spec: a half-written file is a silent no-op
+        for warning in load.warnings:
+            self._say(f"{self.config_path}: warning: {warning}")
+        if load.state == "invalid":
+            for error in load.errors:
+                self._say(f"{self.config_path}: {error}")
+            if not startup:
+                self._say("config rejected; keeping the last good config")
+                return
+            self._say("config rejected; serving with defaults")
+        config = load.config if load.state in ("ok", "missing") else Config()
+        if not startup and config == self.config and catalog == self.catalog:
+            return
+        self.config = config
+        self.catalog = catalog
+        addressing = Addressing(config, catalog)
+        if startup:
+            self.scheduler = Scheduler(addressing)
+        else:
+            self._apply(self.scheduler.reconfigure(addressing, now=self._now))
+
+    # -- the event log ----------------------------------------------------------------------------
+
+    def _flush_log(self) -> None:
+        """Append this turn's event lines.  Best effort: every failure is swallowed, because
+        observability must never become an availability risk."""
+        if not self._log_lines:
+            return
+        lines, self._log_lines = self._log_lines, []
+        path = self.config.log_file
+        if not path:
+            return
+        ts = _iso_utc(time.time())
+        text = "".join(json.dumps(dict(line, ts=ts), separators=(",", ":")) + "\n" for line in lines)
+        try:
+            with open(os.path.expanduser(path), "a", encoding="utf-8") as f:
+                f.write(text)
+        except (OSError, ValueError):
+            pass
+
+
+# =================================================================================================
+# The command line
+#
+# ``python llmqueue.py [daemon options]`` runs the daemon in the foreground (``daemon`` may be
+# named).  Subcommands for people: ``status`` and ``check-config``.
+# =================================================================================================
+
+
+def _idle_exit_arg(text: str) -> int:
+    if text == "never":
+        return -1
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or 'never' (got {text!r})") from None
+
+
+def _positive_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (got {text!r})")
+    return value
+
+
+def _paths_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--agent-dir", help="the agent dir (default: $PI_CODING_AGENT_DIR, else ~/.pi/agent)")
+    parser.add_argument("--socket", help="the daemon socket (default: AGENT_DIR/llm-queue.sock)")
+    return parser
+
+
+def _socket_path(args: argparse.Namespace) -> str:
+    return str(args.socket or os.path.join(args.agent_dir or default_agent_dir(), "llm-queue.sock"))
+
+
+def _raise_fd_limit() -> None:
+    """Raise the soft descriptor limit to the hard one: every waiter is a connection."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def _cmd_daemon(argv: list[str]) -> int:
+    parser = _paths_parser("llmqueue", "Run the llmqueue daemon in the foreground.")
+    parser.add_argument("--config", help="the config file (default: AGENT_DIR/llm-queue.json)")
+    parser.add_argument("--models-json", help="pi's provider catalog (default: AGENT_DIR/models.json)")
+    parser.add_argument("--sweep-ms", type=_positive_arg, default=DEFAULT_SWEEP_MS,
+                        help="how often the sweep may run, in ms (default: 1000)")
+    parser.add_argument("--idle-exit-ms", type=_idle_exit_arg, default=None,
+                        help="exit this long after the last client leaves, or 'never' "
+                             "(default: the config's daemonIdleExitMs, 0)")
+    parser.add_argument("--version", action="version", version=f"llmqueue {__version__}")
+    args = parser.parse_args(argv)
+    _raise_fd_limit()
+    daemon = Daemon(args.agent_dir, socket_path=args.socket, config_path=args.config,
+                    models_json=args.models_json, sweep_ms=args.sweep_ms,
+                    idle_exit_ms=args.idle_exit_ms)
+    try:
+        daemon.serve_forever()
+    except AlreadyRunning as e:
+        daemon._say(f"{e}; leaving it be")
+        return 0
+    except DaemonError as e:
+        daemon._say(str(e))
+        return 1
+    return 0
+
+
+def _ask(path: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """One request, one reply, on a fresh connection (for commands, not for the hot path)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.sendall(_line(request))
+        buf = b""
+        while b"\n" not in buf:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the daemon closed the connection")
+            buf += chunk
+    reply = json.loads(buf.split(b"\n", 1)[0])
+    if not isinstance(reply, dict):
+        raise ConnectionError("the daemon sent something that is not a reply")
+    return reply
+
+
+def format_status(queues: list[dict[str, Any]]) -> str:
+    """``status`` for people: each queue's slots, depth per tier and switches, then every holder
+    and waiter as ``sessionKey tier [group]``."""
+    if not queues:
+        return "no queues yet\n"
+    out = []
+    for q in queues:
+        limit = q.get("maxStreams")
+        holders = q.get("holders") or []
+        waiting = q.get("waiting") or []
+        slots = "passthrough" if limit is None else f"{len(holders)}/{limit}"
+        depth = {role: sum(1 for w in waiting if w.get("role") == role) for role in ROLES}
+        out.append(f"{q.get('queueKey')}  {slots}  waiting: {depth['parent']} parent, "
+                   f"{depth['child']} child  switches: {q.get('switches', 0)}")
+        for label, people in (("holds", holders), ("waits", waiting)):
+            for p in people:
+                group = f" [{p['group']}]" if p.get("group") else ""
+                out.append(f"  {label}  {p.get('sessionKey')} {p.get('role')}{group}")
+    return "\n".join(out) + "\n"
+
+
+def _cmd_status(argv: list[str]) -> int:
+    parser = _paths_parser("llmqueue status", "Show every queue, its holders and its waiters.")
+    parser.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
+    args = parser.parse_args(argv)
+    path = _socket_path(args)
+    try:
+        reply = _ask(path, {"op": "status"})
+    except (OSError, ValueError) as e:
+        print(f"llmqueue: no daemon is running on {path} ({e})", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(reply))
+    else:
+        sys.stdout.write(format_status(reply.get("queues") or []))
+    return 0
+
+
+def _cmd_check_config(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="llmqueue check-config",
+                                     description="Validate llm-queue.json and show where each key queues.")
+    parser.add_argument("--agent-dir", help="the agent dir (default: $PI_CODING_AGENT_DIR, else ~/.pi/agent)")
+    parser.add_argument("--config", help="the config file (default: AGENT_DIR/llm-queue.json)")
+    parser.add_argument("--models-json", help="pi's provider catalog (default: AGENT_DIR/models.json)")
+    args = parser.parse_args(argv)
+    agent_dir = args.agent_dir or default_agent_dir()
+    path = args.config or os.path.join(agent_dir, "llm-queue.json")
+    load = load_config(path)
+    catalog = load_catalog(args.models_json or os.path.join(agent_dir, "models.json"))
+    if load.state == "missing":
+        print(f"{path}: no config file; every queue uses the defaults")
+    for error in load.errors:
+        print(f"error: {error}")
+    for warning in load.warnings:
+        print(f"warning: {warning}")
+    addressing = Addressing(load.config, catalog)
+    for entry in load.config.queues:
+        owner, policy = addressing.address_endpoint(entry.name)
+        limit = "passthrough" if policy.max_streams is None else f"maxStreams {policy.max_streams}"
+        print(f"{entry.name} -> queue {owner} ({limit}, {policy.policy})")
+    if load.state in ("ok", "missing"):
+        print("ok")
+        return 0
+    return 1
+
+
+_COMMANDS: Dict[str, Callable[[List[str]], int]] = {
+    "daemon": _cmd_daemon,
+    "status": _cmd_status,
+    "check-config": _cmd_check_config,
+}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The ``llmqueue`` command: a subcommand, or daemon options to run the daemon."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = args.pop(0) if args and args[0] in _COMMANDS else "daemon"
+    return _COMMANDS[command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
