@@ -47,7 +47,7 @@ __all__ = [
     "DaemonError",
     "Evicted",
     "Granted",
-    "Lease",
+    "Holder",
     "LeaseTerms",
     "LLMQueueError",
     "OverCapacity",
@@ -627,9 +627,9 @@ Conn = Any  # an opaque, hashable connection identity chosen by the caller
 Target = Tuple[Any, str]  # (connection, the queueKey that connection asked with)
 
 
-class Lease:
-    """A Holder's slot: who holds it, on which terms, and since when.  ``conns`` are the
-    connections that acquired it; it lives while any of them does."""
+class Holder:
+    """A Holder: a session's lease on one slot -- who holds it, on which terms, and since when.
+    ``conns`` are the connections that acquired it; the lease lives while any of them does."""
 
     __slots__ = (
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
@@ -699,7 +699,7 @@ class Granted(NamedTuple):
     it (no slot taken, nothing logged); ``switch`` marks the grant of a queued waiter."""
 
     queue_key: str
-    lease: Lease
+    holder: Holder
     targets: Tuple[Target, ...]
     new: bool = True
     switch: bool = False
@@ -716,7 +716,7 @@ class Released(NamedTuple):
     """A slot returned: ``reason`` is release, cancel, disconnect or idle (an idle yield)."""
 
     queue_key: str
-    lease: Lease
+    holder: Holder
     reason: str
 
 
@@ -724,7 +724,7 @@ class Evicted(NamedTuple):
     """A lapsed lease reclaimed by the sweep (``reason`` ttl, the only eviction)."""
 
     queue_key: str
-    lease: Lease
+    holder: Holder
     reason: str = "ttl"
 
 
@@ -751,7 +751,7 @@ class _Queue:
     def __init__(self, key: str, policy: QueuePolicy) -> None:
         self.key = key
         self.policy = policy
-        self.holders: dict[str, Lease] = {}
+        self.holders: dict[str, Holder] = {}
         self.waiting: dict[str, Waiter] = {}
         self.heaps: tuple[list[tuple[int, int, Waiter]], list[tuple[int, int, Waiter]]] = ([], [])
         self.dead = [0, 0]  # dead entries per heap, for compaction
@@ -760,7 +760,7 @@ class _Queue:
         self.seq = 0
         self.parent_grants = 0  # parent grants ever; a child's slot-aging counts from its mark
         self.child_mark = 0  # parent_grants at the last child grant: "in a row" restarts there
-        self.idle: OrderedDict[Lease, None] = OrderedDict()  # holders idle past their window
+        self.idle: OrderedDict[Holder, None] = OrderedDict()  # holders idle past their window
 
     def has_room(self) -> bool:
         limit = self.policy.max_streams
@@ -803,11 +803,11 @@ class Scheduler:
         self.addressing = addressing or Addressing()
         self._queues: dict[str, _Queue] = {}
         self._seq = 0  # waiter enqueue order, scheduler-wide
-        self._conn_leases: dict[Any, set[Lease]] = {}
+        self._conn_leases: dict[Any, set[Holder]] = {}
         self._conn_waiters: dict[Any, set[Waiter]] = {}
         self._session_waiters: dict[str, set[Waiter]] = {}
-        self._ttl_heap: list[tuple[float, int, Lease]] = []
-        self._idle_heap: list[tuple[float, int, Lease]] = []
+        self._ttl_heap: list[tuple[float, int, Holder]] = []
+        self._idle_heap: list[tuple[float, int, Holder]] = []
         self._idle_due: set[_Queue] = set()  # queues with idle holders that just got a waiter
         self._tick = 0  # heap tie-breaker
 
@@ -832,11 +832,11 @@ class Scheduler:
         holds is re-granted without a second slot; one already waiting is not queued twice."""
         tier = ROLES.index(role)
         q = self._queue_for(key)
-        lease = q.holders.get(session)
-        if lease is not None:
-            self._attach(lease, conn)
-            self._refresh(lease, now, activity=True)
-            return [Granted(q.key, lease, ((conn, key),), new=False)]
+        holder = q.holders.get(session)
+        if holder is not None:
+            self._attach(holder, conn)
+            self._refresh(holder, now, activity=True)
+            return [Granted(q.key, holder, ((conn, key),), new=False)]
         w = q.waiting.get(session)
         if w is not None:
             if (conn, key) not in w.targets:
@@ -844,9 +844,9 @@ class Scheduler:
                 self._conn_waiters.setdefault(conn, set()).add(w)
             return []
         if q.has_room():
-            lease = self._grant(q, session, tier, group, activity, key, now)
-            self._attach(lease, conn)
-            return [Granted(q.key, lease, ((conn, key),))]
+            holder = self._grant(q, session, tier, group, activity, key, now)
+            self._attach(holder, conn)
+            return [Granted(q.key, holder, ((conn, key),))]
         self._seq += 1
         w = Waiter(q, session, tier, group, activity, self._seq, key, now)
         self._enqueue(q, w)
@@ -857,11 +857,11 @@ class Scheduler:
     def release(self, key: str, session: str, *, now: float, reason: str = "release") -> list[Event]:
         """The session's slot returns to its queue (a no-op when it holds none)."""
         q = self._find(key)
-        lease = q.holders.get(session) if q else None
-        if q is None or lease is None:
+        holder = q.holders.get(session) if q else None
+        if q is None or holder is None:
             return []
         events: list[Event] = []
-        self._drop_lease(lease, Released(q.key, lease, reason), events)
+        self._drop_lease(holder, Released(q.key, holder, reason), events)
         self._fill(q, now, events)
         return events
 
@@ -890,18 +890,18 @@ class Scheduler:
     def renew(self, conn: Conn, *, now: float) -> int:
         """A bare heartbeat: refresh the TTL of every lease the connection holds; their count."""
         leases = self._conn_leases.get(conn, ())
-        for lease in leases:
-            self._refresh(lease, now, activity=False)
+        for holder in leases:
+            self._refresh(holder, now, activity=False)
         return len(leases)
 
     def beat(self, key: str, session: str, *, now: float) -> bool:
         """A keyed activity beat: refresh that lease's TTL and activity.  False means the session
         holds no slot there (released, yielded, evicted): the client must re-queue."""
         q = self._find(key)
-        lease = q.holders.get(session) if q else None
-        if lease is None:
+        holder = q.holders.get(session) if q else None
+        if holder is None:
             return False
-        self._refresh(lease, now, activity=True)
+        self._refresh(holder, now, activity=True)
         return True
 
     def disconnect(self, conn: Conn, *, now: float, reason: str = "disconnect") -> list[Event]:
@@ -912,11 +912,11 @@ class Scheduler:
             if not w.targets and w.live:
                 self._drop_waiter(w)
         touched: list[_Queue] = []
-        for lease in self._conn_leases.pop(conn, ()):
-            lease.conns.discard(conn)
-            if not lease.conns and lease.held:
-                touched.append(lease.queue)
-                self._drop_lease(lease, Released(lease.queue.key, lease, reason), events)
+        for holder in self._conn_leases.pop(conn, ()):
+            holder.conns.discard(conn)
+            if not holder.conns and holder.held:
+                touched.append(holder.queue)
+                self._drop_lease(holder, Released(holder.queue.key, holder, reason), events)
         for q in touched:
             self._fill(q, now, events)
         return events
@@ -937,30 +937,30 @@ class Scheduler:
         events: list[Event] = []
         heap = self._ttl_heap
         while heap and heap[0][0] <= now:
-            _, _, lease = heapq.heappop(heap)
-            if not lease.held:
+            _, _, holder = heapq.heappop(heap)
+            if not holder.held:
                 continue
-            if lease.expires_at > now:  # refreshed since: look again when it is due
-                self._push(heap, lease.expires_at, lease)
+            if holder.expires_at > now:  # refreshed since: look again when it is due
+                self._push(heap, holder.expires_at, holder)
                 continue
-            q = lease.queue
-            self._drop_lease(lease, Evicted(q.key, lease), events)
+            q = holder.queue
+            self._drop_lease(holder, Evicted(q.key, holder), events)
             self._fill(q, now, events)
         heap = self._idle_heap
         while heap and heap[0][0] <= now:
-            _, _, lease = heapq.heappop(heap)
-            idle_at = lease.idle_at
-            if not lease.held or idle_at is None or lease in lease.queue.idle:
+            _, _, holder = heapq.heappop(heap)
+            idle_at = holder.idle_at
+            if not holder.held or idle_at is None or holder in holder.queue.idle:
                 continue
             if idle_at > now:
-                self._push(heap, idle_at, lease)
+                self._push(heap, idle_at, holder)
                 continue
-            lease.queue.idle[lease] = None
-            self._idle_due.add(lease.queue)
+            holder.queue.idle[holder] = None
+            self._idle_due.add(holder.queue)
         for q in sorted(self._idle_due, key=lambda q: q.key):
             while q.waiting and q.idle:
-                lease = next(iter(q.idle))
-                self._drop_lease(lease, Released(q.key, lease, "idle"), events)
+                holder = next(iter(q.idle))
+                self._drop_lease(holder, Released(q.key, holder, "idle"), events)
                 self._fill(q, now, events)
         self._idle_due.clear()
         return events
@@ -986,26 +986,26 @@ class Scheduler:
                 self._queues[q.key] = q
         self._idle_due.clear()
         events: list[Event] = []
-        for lease in leases:
-            q = self._queue_for(lease.key)
-            same = q.holders.get(lease.session)
+        for holder in leases:
+            q = self._queue_for(holder.key)
+            same = q.holders.get(holder.session)
             if same is not None:  # the same session held in two queues that merged
-                self._merge_lease(same, lease)
+                self._merge_lease(same, holder)
                 continue
-            lease.queue = q
-            lease.terms = lease.terms.grown(q.policy.lease_ttl_ms)  # a longer TTL applies at once
-            q.holders[lease.session] = lease
-            q.seq = max(q.seq, lease.seq)
-            if lease.idle_at is not None:
-                self._push(self._idle_heap, lease.idle_at, lease)
+            holder.queue = q
+            holder.terms = holder.terms.grown(q.policy.lease_ttl_ms)  # a longer TTL applies at once
+            q.holders[holder.session] = holder
+            q.seq = max(q.seq, holder.seq)
+            if holder.idle_at is not None:
+                self._push(self._idle_heap, holder.idle_at, holder)
         for w in waiters:
             q = self._queue_for(w.key)
-            holder = q.holders.get(w.session)
-            if holder is not None:  # it waits where it now holds: answer it, switch-free
+            holding = q.holders.get(w.session)
+            if holding is not None:  # it waits where it now holds: answer it, switch-free
                 for conn, _ in w.targets:
-                    self._attach(holder, conn)
+                    self._attach(holding, conn)
                 self._drop_waiter(w)
-                events.append(Granted(q.key, holder, tuple(w.targets), new=False))
+                events.append(Granted(q.key, holding, tuple(w.targets), new=False))
                 continue
             other = q.waiting.get(w.session)
             if other is not None:
@@ -1031,7 +1031,7 @@ class Scheduler:
 
     def status(self) -> list[dict[str, Any]]:
         """Every queue as ``status`` reports it: holders in grant order, waiters in enqueue order."""
-        def who(x: Union[Lease, Waiter]) -> dict[str, Any]:
+        def who(x: Union[Holder, Waiter]) -> dict[str, Any]:
             return {"sessionKey": x.session, "role": ROLES[x.role], "group": x.group}
 
         return [
@@ -1046,7 +1046,7 @@ class Scheduler:
             for q in self._queues.values()
         ]
 
-    def holders(self, key: str) -> list[Lease]:
+    def holders(self, key: str) -> list[Holder]:
         q = self._find(key)
         return list(q.holders.values()) if q else []
 
@@ -1057,46 +1057,46 @@ class Scheduler:
     def queue_keys(self) -> list[str]:
         return list(self._queues)
 
-    def conn_leases(self, conn: Conn) -> list[Lease]:
+    def conn_leases(self, conn: Conn) -> list[Holder]:
         return list(self._conn_leases.get(conn, ()))
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _push(self, heap: list[tuple[float, int, Lease]], when: float, lease: Lease) -> None:
+    def _push(self, heap: list[tuple[float, int, Holder]], when: float, holder: Holder) -> None:
         self._tick += 1
-        heapq.heappush(heap, (when, self._tick, lease))
+        heapq.heappush(heap, (when, self._tick, holder))
 
     def _grant(self, q: _Queue, session: str, tier: int, group: Optional[str], activity: bool,
-               key: str, now: float) -> Lease:
+               key: str, now: float) -> Holder:
         q.seq += 1
         q.grants += 1
         if tier == PARENT:
             q.parent_grants += 1
         else:
             q.child_mark = q.parent_grants
-        lease = Lease(q, session, tier, group, activity, LeaseTerms.of(q.policy), q.seq, key, now)
-        q.holders[session] = lease
-        self._push(self._ttl_heap, lease.expires_at, lease)
-        idle_at = lease.idle_at
+        holder = Holder(q, session, tier, group, activity, LeaseTerms.of(q.policy), q.seq, key, now)
+        q.holders[session] = holder
+        self._push(self._ttl_heap, holder.expires_at, holder)
+        idle_at = holder.idle_at
         if idle_at is not None:
-            self._push(self._idle_heap, idle_at, lease)
-        return lease
+            self._push(self._idle_heap, idle_at, holder)
+        return holder
 
-    def _attach(self, lease: Lease, conn: Conn) -> None:
-        lease.conns.add(conn)
-        self._conn_leases.setdefault(conn, set()).add(lease)
+    def _attach(self, holder: Holder, conn: Conn) -> None:
+        holder.conns.add(conn)
+        self._conn_leases.setdefault(conn, set()).add(holder)
 
-    def _refresh(self, lease: Lease, now: float, *, activity: bool) -> None:
-        lease.terms = lease.terms.grown(lease.queue.policy.lease_ttl_ms)
-        lease.last_beat = now
+    def _refresh(self, holder: Holder, now: float, *, activity: bool) -> None:
+        holder.terms = holder.terms.grown(holder.queue.policy.lease_ttl_ms)
+        holder.last_beat = now
         if activity:
-            lease.last_activity = now
-            q = lease.queue
-            if lease in q.idle:  # it spoke: no longer yieldable until its window passes again
-                del q.idle[lease]
-                idle_at = lease.idle_at
+            holder.last_activity = now
+            q = holder.queue
+            if holder in q.idle:  # it spoke: no longer yieldable until its window passes again
+                del q.idle[holder]
+                idle_at = holder.idle_at
                 if idle_at is not None:
-                    self._push(self._idle_heap, idle_at, lease)
+                    self._push(self._idle_heap, idle_at, holder)
 
     def _enqueue(self, q: _Queue, w: Waiter) -> None:
         q.waiting[w.session] = w
@@ -1123,21 +1123,21 @@ class Scheduler:
                 if not mine:
                     del self._conn_waiters[conn]
 
-    def _drop_lease(self, lease: Lease, event: Event, events: list[Event]) -> None:
-        lease.held = False
-        q = lease.queue
-        if q.holders.get(lease.session) is lease:
-            del q.holders[lease.session]
-        q.idle.pop(lease, None)
-        for conn in lease.conns:
+    def _drop_lease(self, holder: Holder, event: Event, events: list[Event]) -> None:
+        holder.held = False
+        q = holder.queue
+        if q.holders.get(holder.session) is holder:
+            del q.holders[holder.session]
+        q.idle.pop(holder, None)
+        for conn in holder.conns:
             mine = self._conn_leases.get(conn)
             if mine is not None:
-                mine.discard(lease)
+                mine.discard(holder)
                 if not mine:
                     del self._conn_leases[conn]
         events.append(event)
 
-    def _merge_lease(self, keep: Lease, gone: Lease) -> None:
+    def _merge_lease(self, keep: Holder, gone: Holder) -> None:
         gone.held = False
         for conn in list(gone.conns):
             self._conn_leases.get(conn, set()).discard(gone)
@@ -1169,11 +1169,11 @@ class Scheduler:
                 raise AssertionError(f"{q.key}: waiters without heap entries")
             targets = tuple(w.targets)
             self._drop_waiter(w)
-            lease = self._grant(q, w.session, w.role, w.group, w.activity, w.key, now)
+            holder = self._grant(q, w.session, w.role, w.group, w.activity, w.key, now)
             for conn, _ in targets:
-                self._attach(lease, conn)
+                self._attach(holder, conn)
             q.switches += 1
-            events.append(Granted(q.key, lease, targets, new=True, switch=True))
+            events.append(Granted(q.key, holder, targets, new=True, switch=True))
 
 
 # =================================================================================================
@@ -1258,12 +1258,12 @@ def _line(obj: dict[str, Any]) -> bytes:
 _OK = b'{"op":"ok"}\n'
 
 
-def encode_granted(key: str, lease: Lease) -> bytes:
+def encode_granted(key: str, holder: Holder) -> bytes:
     """The ``granted`` reply: the key the client asked with, its session, the lease's terms, and
     the per-queue grant sequence number."""
-    reply: dict[str, Any] = {"op": "granted", "queueKey": key, "sessionKey": lease.session}
-    reply.update(lease.terms.to_wire())
-    reply["seq"] = lease.seq
+    reply: dict[str, Any] = {"op": "granted", "queueKey": key, "sessionKey": holder.session}
+    reply.update(holder.terms.to_wire())
+    reply["seq"] = holder.seq
     return _line(reply)
 
 
@@ -1276,14 +1276,14 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
         w = event.waiter
         return [{"event": "queued", "queueKey": event.queue_key, "sessionKey": w.session,
                  "role": ROLES[w.role]}]
-    lease = event.lease
-    base = {"queueKey": event.queue_key, "sessionKey": lease.session, "role": ROLES[lease.role]}
+    holder = event.holder
+    base = {"queueKey": event.queue_key, "sessionKey": holder.session, "role": ROLES[holder.role]}
     if isinstance(event, Granted):
         if not event.new:
             return []
-        lines = [dict(event="grant", seq=lease.seq, **base)]
+        lines = [dict(event="grant", seq=holder.seq, **base)]
         if event.switch:
-            lines.append(dict(event="switch", seq=lease.seq, **base))
+            lines.append(dict(event="switch", seq=holder.seq, **base))
         return lines
     if isinstance(event, Released):
         return [dict(event="release", reason=event.reason, **base)]
@@ -1710,7 +1710,7 @@ class Daemon:
             if isinstance(event, Granted):
                 for conn, key in event.targets:
                     if not conn.closing:
-                        self._send(conn, encode_granted(key, event.lease))
+                        self._send(conn, encode_granted(key, event.holder))
             if self.config.log_file:
                 self._log_lines.extend(_event_record(event))
 

@@ -44,7 +44,7 @@ def one(config_defaults: dict[str, Any]) -> lq.Scheduler:
 
 
 def granted(events: list[lq.Event]) -> list[str]:
-    return [e.lease.session for e in events if isinstance(e, lq.Granted)]
+    return [e.holder.session for e in events if isinstance(e, lq.Granted)]
 
 
 def holders(s: lq.Scheduler, key: str = K) -> list[str]:
@@ -80,7 +80,7 @@ def test_direct_grant_into_a_free_slot_is_a_grant_not_a_switch() -> None:
     events = s.acquire("c1", K, "A", "parent", now=T0)
     assert len(events) == 1 and isinstance(events[0], lq.Granted)
     g = events[0]
-    assert g.new and not g.switch and g.targets == (("c1", K),) and g.lease.seq == 1
+    assert g.new and not g.switch and g.targets == (("c1", K),) and g.holder.seq == 1
     assert s.status()[0]["switches"] == 0
 
 
@@ -92,7 +92,7 @@ def test_a_full_queue_parks_the_acquire_and_grants_it_on_release_as_a_switch() -
     events = s.release(K, "A", now=T0 + 2)
     assert [type(e) for e in events] == [lq.Released, lq.Granted]
     g = events[1]
-    assert isinstance(g, lq.Granted) and g.switch and g.lease.session == "B" and g.lease.seq == 2
+    assert isinstance(g, lq.Granted) and g.switch and g.holder.session == "B" and g.holder.seq == 2
     assert s.status()[0]["switches"] == 1
 
 
@@ -268,7 +268,7 @@ def test_grant_sequence_numbers_increase_per_queue() -> None:
     s = make()
     seqs = []
     for i in range(5):
-        seqs.append(s.acquire("c", K, f"S{i}", now=T0 + i)[0].lease.seq)  # type: ignore[union-attr]
+        seqs.append(s.acquire("c", K, f"S{i}", now=T0 + i)[0].holder.seq)  # type: ignore[union-attr]
         s.release(K, f"S{i}", now=T0 + i)
     assert seqs == [1, 2, 3, 4, 5]
 
@@ -329,9 +329,9 @@ def test_property_slots_never_exceed_max_and_no_waiter_is_lost_or_duplicated(
         grants = [e for e in events if isinstance(e, lq.Granted) and e.new]
         for e in events:
             if isinstance(e, (lq.Released, lq.Evicted)):
-                held.discard(e.lease.session)
+                held.discard(e.holder.session)
         for g in grants:
-            session = g.lease.session
+            session = g.holder.session
             if g.switch:  # a waiter granted: it must be the best-placed pending one
                 best = min(pending, key=lambda x: (lq.ROLES.index(tier[x]), enq[x]))
                 assert session == best, (session, best, pending)
@@ -380,7 +380,7 @@ def test_a_bare_renew_refreshes_only_the_connections_own_leases() -> None:
     s.acquire("c1", K, "A", now=T0)
     s.acquire("c2", K, "B", now=T0)
     s.renew("c1", now=T0 + 900)
-    assert [e.lease.session for e in s.sweep(now=T0 + 1000)] == ["B"]  # type: ignore[union-attr]
+    assert [e.holder.session for e in s.sweep(now=T0 + 1000)] == ["B"]  # type: ignore[union-attr]
 
 
 def test_a_keyed_beat_says_whether_the_slot_is_still_held() -> None:
@@ -460,7 +460,7 @@ def test_a_shortened_ttl_applies_at_the_next_grant_and_a_lengthened_one_at_once(
     assert s.holders(K)[0].terms.ttl_ms == 10_000  # never shortened while held
     assert s.sweep(now=T0 + 100 + 9_999) == []
     s.release(K, "A", now=T0 + 200)
-    assert s.acquire("c", K, "B", now=T0 + 300)[0].lease.terms.ttl_ms == 2000  # type: ignore[union-attr]
+    assert s.acquire("c", K, "B", now=T0 + 300)[0].holder.terms.ttl_ms == 2000  # type: ignore[union-attr]
     cfg, _, _ = lq.validate_config({"defaults": {"leaseTtlMs": 50_000}})
     s.reconfigure(lq.Addressing(cfg), now=T0 + 400)
     assert s.holders(K)[0].terms.ttl_ms == 50_000  # lengthened at once
@@ -475,7 +475,7 @@ def test_the_idle_window_is_fixed_at_grant() -> None:
     s.acquire("c2", K, "B", now=T0 + 2)
     events = s.sweep(now=T0 + 150)
     assert [type(e) for e in events] == [lq.Released, lq.Granted]
-    assert events[1].lease.terms.idle_yield_ms == 60_000  # type: ignore[union-attr]
+    assert events[1].holder.terms.idle_yield_ms == 60_000  # type: ignore[union-attr]
 
 
 def test_a_widened_queue_grants_its_waiters_at_once() -> None:
