@@ -41,13 +41,17 @@ __version__ = "0.1.0"
 __all__ = [
     "AlreadyRunning",
     "Addressing",
+    "Cancelled",
+    "Client",
     "Config",
     "ConfigError",
     "Daemon",
     "DaemonError",
+    "DaemonUnavailable",
     "Evicted",
     "Granted",
     "Holder",
+    "Lease",
     "LeaseTerms",
     "LLMQueueError",
     "OverCapacity",
@@ -56,6 +60,7 @@ __all__ = [
     "Queued",
     "Released",
     "Scheduler",
+    "Session",
     "Waiter",
     "address_endpoint_key",
     "load_catalog",
@@ -1926,10 +1931,763 @@ class Daemon:
 
 
 # =================================================================================================
+# The client
+#
+# ``Client`` is one persistent connection per process, safe to share between threads.  A reader
+# thread matches replies to the requests waiting for them (a ``granted`` by its queueKey and
+# sessionKey; replies nobody waits for are dropped, never buffered); a beat thread refreshes held
+# leases on their own terms; every blocking call waits on its own event.  It starts the daemon on
+# demand, and when the daemon cannot be had it lets the work through unqueued (fail-open) unless
+# told otherwise.  ``Session`` adds turn-based affinity on top: hold the slot for a whole run.
+# =================================================================================================
+
+
+SPAWN_BACKOFF_S = 10.0  # a daemon that would not start is not spawned again for this long
+
+
+class DaemonUnavailable(LLMQueueError):
+    """The daemon cannot be reached (or died mid-wait) and ``failOpen`` is off."""
+
+
+class Cancelled(LLMQueueError):
+    """A queued acquire was cancelled (an abort) before it was granted."""
+
+
+class _Pending:
+    """One request waiting for its reply."""
+
+    __slots__ = ("event", "reply", "dead", "cancelled")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reply: Optional[dict[str, Any]] = None
+        self.dead = False  # the connection went away first
+        self.cancelled = False
+
+    def resolve(self, reply: Optional[dict[str, Any]] = None, *, dead: bool = False,
+                cancelled: bool = False) -> None:
+        self.reply = reply
+        self.dead = dead
+        self.cancelled = cancelled
+        self.event.set()
+
+
+class Lease:
+    """A slot held through a ``Client``: its queue, session, tier and terms.
+
+    While held, the client beats it at its terms' refresh period, except inside
+    ``with lease.blocking():`` (then only the connection's bare heartbeat keeps it alive, so the
+    daemon may hand it to a waiter if it stays silent past its idle-yield window).  ``lost``
+    becomes true when a beat learns the slot is gone; ``ensure()`` queues again.  A lease with
+    ``queued`` false was let through unqueued because the daemon could not be had (fail-open).
+    """
+
+    def __init__(self, client: Client, queue_key: str, session_key: str, role: str,
+                 group: Optional[str], activity: bool) -> None:
+        self.client = client
+        self.queue_key = queue_key
+        self.session_key = session_key
+        self.role = role
+        self.group = group
+        self.activity = activity
+        self.terms = LeaseTerms.of(DEFAULT_POLICY)
+        self.seq: Optional[int] = None
+        self.queued = False
+        self.lost = False
+        self.released = False
+        self._blocking = 0
+        self._next_beat = 0.0
+
+    @property
+    def held(self) -> bool:
+        """True while the daemon holds the slot for us, as far as the last beat knows."""
+        return self.queued and not self.lost and not self.released
+
+    def release(self) -> None:
+        """Give the slot back now."""
+        self.client._finish(self, "release")
+
+    def cancel(self) -> None:
+        """Esc: give the slot back now (the daemon's ``cancel``: a holder is released)."""
+        self.client._finish(self, "cancel")
+
+    def beat(self, timeout: float = 5.0) -> bool:
+        """A keyed activity beat now; returns whether the slot is still held."""
+        return self.client._beat(self, timeout)
+
+    def ensure(self, timeout: Optional[float] = None) -> Lease:
+        """Before each request: this request's keyed beat, and if the slot is gone (yielded,
+        evicted, the daemon restarted) queue again and wait for it -- a lost lease never streams
+        unqueued.  A lease let through unqueued (fail-open) tries to queue again too."""
+        if self.released:
+            raise LLMQueueError(f"{self.session_key}: the lease on {self.queue_key} was released")
+        if self.held:
+            self.beat()
+        if self.lost or not self.queued:
+            self.client._reacquire(self, timeout)
+        return self
+
+    def blocking(self) -> _Blocking:
+        """A context in which the lease's keyed beat pauses (the run waits on another agent)."""
+        return _Blocking(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else "lost" if self.lost else "released" if self.released else "unqueued"
+        return f"<Lease {self.queue_key} {self.session_key} {self.role} {state}>"
+
+
+class _Blocking:
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+
+    def __enter__(self) -> Lease:
+        with self.lease.client._cv:
+            self.lease._blocking += 1
+            self.lease.client._cv.notify_all()
+        return self.lease
+
+    def __exit__(self, *exc: Any) -> None:
+        client = self.lease.client
+        with client._cv:
+            self.lease._blocking -= 1
+            self.lease._next_beat = 0.0  # work resumes: beat at once
+            client._cv.notify_all()
+
+
+def _default_warning(message: str) -> None:
+    import logging
+
+    logging.getLogger("llmqueue").warning("%s", message)
+
+
+class Client:
+    """A connection to the llmqueue daemon, shared by every thread of a process.
+
+    ``fail_open`` and ``queue_timeout_ms`` default to the config's ``failOpen`` and
+    ``queueTimeoutMs`` (read once, at the first connect).  ``on_warning(message)`` hears the
+    fail-open and queue-wait warnings (default: the ``logging`` module); ``on_position(lease,
+    position)`` hears a waiting acquire's place in its queue (1 is next), polled at 300 ms and
+    then every 2 s.
+    """
+
+    def __init__(self, agent_dir: Optional[str] = None, *, socket_path: Optional[str] = None,
+                 config_path: Optional[str] = None, models_json: Optional[str] = None,
+                 autostart: bool = True, fail_open: Optional[bool] = None,
+                 queue_timeout_ms: Optional[int] = None,
+                 on_warning: Optional[Callable[[str], None]] = None,
+                 on_position: Optional[Callable[[Lease, int], None]] = None,
+                 spawn_timeout: float = 5.0) -> None:
+        self.agent_dir = agent_dir or default_agent_dir()
+        self._paths = (socket_path, config_path, models_json)
+        self.socket_path = socket_path or os.path.join(self.agent_dir, "llm-queue.sock")
+        self.config_path = config_path or os.path.join(self.agent_dir, "llm-queue.json")
+        self.models_json = models_json or os.path.join(self.agent_dir, "models.json")
+        self.autostart = autostart
+        self._fail_open = fail_open
+        self._queue_timeout_ms = queue_timeout_ms
+        self.on_warning = on_warning or _default_warning
+        self.on_position = on_position
+        self.spawn_timeout = spawn_timeout
+        self.config = Config()
+        self.addressing = Addressing()
+        self._config_read = False
+        self._cv = threading.Condition(threading.RLock())  # guards everything below
+        self._send_lock = threading.Lock()
+        self._sock: Optional[socket.socket] = None
+        self._generation = 0
+        self._acquires: dict[tuple[str, str], list[_Pending]] = {}
+        self._beats: dict[tuple[str, str], list[_Pending]] = {}
+        self._statuses: list[_Pending] = []
+        self._leases: dict[tuple[str, str], Lease] = {}
+        self._later: list[tuple[float, int, Callable[[], None]]] = []
+        self._later_seq = 0
+        self._next_bare = 0.0
+        self._worker: Optional[threading.Thread] = None
+        self._warned_unreachable = False
+        self._closed = False
+        self._spawned: list[Any] = []
+        self._spawn_backoff_until = 0.0
+        self.default_session = f"pid-{os.getpid()}"
+
+    # -- configuration ------------------------------------------------------------------------
+
+    @property
+    def fail_open(self) -> bool:
+        return self.config.fail_open if self._fail_open is None else self._fail_open
+
+    @property
+    def queue_timeout_ms(self) -> int:
+        return self.config.queue_timeout_ms if self._queue_timeout_ms is None else self._queue_timeout_ms
+
+    def _read_config(self) -> None:
+        """The client's own copy of the config: failOpen and queueTimeoutMs (read once), and the
+        addressing and default terms it falls back on when a daemon sends none."""
+        load = load_config(self.config_path)
+        config = load.config if load.state in ("ok", "missing") else Config()
+        if not self._config_read:
+            self.config = config
+            self._config_read = True
+        self.addressing = Addressing(config, load_catalog(self.models_json))
+
+    # -- the connection -----------------------------------------------------------------------
+
+    def _try_connect(self) -> Optional[socket.socket]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.socket_path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            return None
+        except OSError as e:
+            sock.close()
+            raise DaemonUnavailable(f"cannot connect to {self.socket_path}: {e.strerror or e}") from None
+        return sock
+
+    def _spawn(self) -> None:
+        """Start a daemon detached: its own session, stdio to /dev/null, this interpreter with
+        ``-S`` (it needs no site-packages), this agent dir.  Two clients racing here are fine:
+        the daemon resolves the race itself."""
+        import subprocess
+
+        command = [sys.executable or "python3", "-S", os.path.abspath(__file__),
+                   "--agent-dir", self.agent_dir]
+        for flag, value in zip(("--socket", "--config", "--models-json"), self._paths):
+            if value:
+                command += [flag, value]
+        for proc in self._spawned:
+            proc.poll()  # reap a daemon we started that has since exited
+        self._spawned = [p for p in self._spawned if p.returncode is None]
+        try:
+            self._spawned.append(subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True))
+        except OSError:
+            pass  # the connect below reports the daemon as unreachable
+
+    def _connect(self) -> socket.socket:
+        """The live connection, made (and the daemon started) if need be.  Holds ``_cv``."""
+        if self._sock is not None:
+            return self._sock
+        if self._closed:
+            raise DaemonUnavailable("the client is closed")
+        sock = self._try_connect()
+        # After a spawn that never answered, do not stall every request on another one for a
+        # while: fail fast (and open) until the back-off has passed.
+        if sock is None and self.autostart and time.monotonic() >= self._spawn_backoff_until:
+            self._spawn()
+            deadline = time.monotonic() + self.spawn_timeout
+            pause = 0.005
+            while sock is None and time.monotonic() < deadline:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
+                sock = self._try_connect()
+        if sock is None:
+            self._spawn_backoff_until = time.monotonic() + SPAWN_BACKOFF_S
+            raise DaemonUnavailable(f"no daemon answers on {self.socket_path}")
+        self._read_config()
+        self._sock = sock
+        self._generation += 1
+        reader = threading.Thread(target=self._read_loop, args=(sock, self._generation),
+                                  name="llmqueue-reader", daemon=True)
+        reader.start()
+        return sock
+
+    def _send(self, message: dict[str, Any], *, connect: bool = True) -> None:
+        """Send one request; raises DaemonUnavailable when there is no daemon to send it to."""
+        with self._cv:
+            sock = self._connect() if connect else self._sock
+            if sock is None:
+                raise DaemonUnavailable("not connected")
+            generation = self._generation
+        try:
+            with self._send_lock:
+                sock.sendall(_line(message))
+        except OSError as e:
+            self._connection_lost(sock, generation)
+            raise DaemonUnavailable(f"the daemon went away: {e.strerror or e}") from None
+
+    def _read_loop(self, sock: socket.socket, generation: int) -> None:
+        buf = b""
+        try:
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    try:
+                        reply = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(reply, dict):
+                        self._dispatch(reply)
+        except OSError:
+            pass
+        self._connection_lost(sock, generation)
+
+    def _dispatch(self, reply: dict[str, Any]) -> None:
+        op = reply.get("op")
+        key: tuple[str, str] = (str(reply.get("queueKey")), str(reply.get("sessionKey")))
+        with self._cv:
+            if op == "granted":
+                for pending in self._acquires.pop(key, ()):
+                    pending.resolve(reply)
+            elif op == "ok" and "granted" in reply:
+                lease = self._leases.get(key)
+                if lease is not None and reply.get("granted") is False and lease.queued:
+                    lease.lost = True
+                waiting = self._beats.get(key)
+                if waiting:
+                    waiting.pop(0).resolve(reply)
+            elif op == "status":
+                if self._statuses:
+                    self._statuses.pop(0).resolve(reply)
+            # anything else (a release's ok, a bare renew's ok, an error) has nobody waiting
+
+    def _connection_lost(self, sock: socket.socket, generation: int) -> None:
+        """The daemon is gone: whoever waits is released, and every held slot is lost (the next
+        ``ensure`` queues again on a fresh daemon)."""
+        with self._cv:
+            if generation != self._generation or self._sock is None:
+                return
+            self._sock = None
+            for waiting in list(self._acquires.values()) + list(self._beats.values()) + [self._statuses]:
+                for pending in waiting:
+                    pending.resolve(dead=True)
+            self._acquires.clear()
+            self._beats.clear()
+            self._statuses = []
+            for lease in self._leases.values():
+                if lease.queued:
+                    lease.lost = True
+            self._cv.notify_all()
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+    def _unreachable(self, lease: Lease, why: str) -> Lease:
+        """Fail-open: the work goes ahead unqueued, with one warning; or fail closed."""
+        if not self.fail_open:
+            raise DaemonUnavailable(f"{why}; failOpen is off, so {lease.queue_key} is not served")
+        if not self._warned_unreachable:
+            self._warned_unreachable = True
+            self.on_warning(f"llmqueue: {why}; proceeding unqueued (failOpen)")
+        lease.queued = False
+        lease.lost = False
+        return lease
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def acquire(self, queue_key: str, session_key: Optional[str] = None, role: str = "parent",
+                group: Optional[str] = None, activity: bool = True,
+                timeout: Optional[float] = None) -> Lease:
+        """Wait for a slot of ``queue_key`` and return the Lease.  ``timeout`` (seconds) cancels
+        the request and raises TimeoutError; another thread's ``cancel`` raises Cancelled."""
+        if not isinstance(queue_key, str) or not queue_key:
+            raise ValueError("queue_key must be a non-empty string")
+        if role not in ROLES:
+            raise ValueError(f"role must be parent or child (got {role!r})")
+        lease = Lease(self, queue_key, session_key or self.default_session, role, group, activity)
+        self._wait_for_grant(lease, timeout)
+        return lease
+
+    def _reacquire(self, lease: Lease, timeout: Optional[float]) -> None:
+        lease.lost = False
+        self._wait_for_grant(lease, timeout)
+
+    def _wait_for_grant(self, lease: Lease, timeout: Optional[float]) -> None:
+        key = (lease.queue_key, lease.session_key)
+        pending = _Pending()
+        try:
+            with self._cv:
+                self._connect()
+                self._acquires.setdefault(key, []).append(pending)
+            # On the connection it was registered on: if that one dies first, the pending is
+            # released (dead) with it, never silently re-sent elsewhere.
+            self._send({"op": "acquire", "queueKey": lease.queue_key, "sessionKey": lease.session_key,
+                        "role": lease.role, "group": lease.group, "activity": lease.activity},
+                       connect=False)
+        except DaemonUnavailable as e:
+            self._unreachable(lease, str(e))
+            return
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        warn_at = None
+        if lease.role == "parent" and self.queue_timeout_ms > 0:  # a child's wait is unlimited
+            warn_at = start + self.queue_timeout_ms / 1000.0
+        poll_at = start + 0.3 if self.on_position is not None else None
+        try:
+            while True:
+                due = [t for t in (deadline, warn_at, poll_at) if t is not None]
+                wait = None if not due else max(0.0, min(due) - time.monotonic())
+                if pending.event.wait(wait):
+                    break
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError(f"no slot of {lease.queue_key} within {timeout} s")
+                if warn_at is not None and now >= warn_at:
+                    warn_at = None  # warned once; it stays queued
+                    self.on_warning(f"llmqueue: {lease.session_key} has waited {self.queue_timeout_ms} ms "
+                                    f"for {lease.queue_key}; still queued")
+                if poll_at is not None and now >= poll_at:
+                    poll_at = now + 2.0
+                    position = self._position(lease)
+                    if position is not None and self.on_position is not None:
+                        self.on_position(lease, position)
+        except BaseException:
+            # Ctrl-C, a timeout, a failing callback: the request must not stay queued.
+            with self._cv:
+                mine = self._acquires.get(key, [])
+                if pending in mine:
+                    mine.remove(pending)
+                    if not mine:
+                        del self._acquires[key]
+            # cancel drops the waiter, and releases the slot if the grant won the race.
+            self._quietly({"op": "cancel", "queueKey": lease.queue_key, "sessionKey": lease.session_key})
+            raise
+        if pending.cancelled:
+            raise Cancelled(f"{lease.session_key}: cancelled while queued for {lease.queue_key}")
+        if pending.dead or pending.reply is None:
+            self._unreachable(lease, f"the daemon went away while {lease.session_key} waited")
+            return
+        fallback = LeaseTerms.of(self.addressing.address_endpoint(lease.queue_key)[1])
+        lease.terms = LeaseTerms.from_wire(pending.reply, fallback)
+        seq = pending.reply.get("seq")
+        lease.seq = seq if _is_int(seq) else None
+        lease.queued = True
+        lease.lost = False
+        lease.released = False
+        with self._cv:
+            lease._next_beat = time.monotonic() + lease.terms.refresh_period_ms() / 1000.0
+            self._leases[key] = lease
+            self._start_worker()
+            self._cv.notify_all()
+
+    def _quietly(self, message: dict[str, Any]) -> None:
+        try:
+            self._send(message, connect=False)
+        except DaemonUnavailable:
+            pass
+
+    def cancel(self, queue_key: str, session_key: Optional[str] = None) -> None:
+        """Esc for a session: its queued acquire (in any thread) raises Cancelled, and a slot it
+        holds is released.  The daemon does both at once."""
+        session_key = session_key or self.default_session
+        key = (queue_key, session_key)
+        with self._cv:
+            for pending in self._acquires.pop(key, ()):
+                pending.resolve(cancelled=True)
+            lease = self._leases.pop(key, None)
+            if lease is not None:
+                lease.released = True
+        self._quietly({"op": "cancel", "queueKey": queue_key, "sessionKey": session_key})
+
+    def _finish(self, lease: Lease, op: str) -> None:
+        key = (lease.queue_key, lease.session_key)
+        with self._cv:
+            if lease.released:
+                return
+            lease.released = True
+            if self._leases.get(key) is lease:
+                del self._leases[key]
+        if lease.queued:
+            self._quietly({"op": op, "queueKey": lease.queue_key, "sessionKey": lease.session_key})
+
+    def _beat(self, lease: Lease, timeout: float) -> bool:
+        if not lease.held:
+            return False
+        key = (lease.queue_key, lease.session_key)
+        pending = _Pending()
+        with self._cv:
+            if self._sock is None:
+                lease.lost = True
+                return False
+            self._beats.setdefault(key, []).append(pending)
+        try:
+            self._send({"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key},
+                       connect=False)
+        except DaemonUnavailable:
+            return False
+        if not pending.event.wait(timeout) or pending.reply is None:
+            return lease.held
+        return pending.reply.get("granted") is True
+
+    def status(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """The daemon's ``status`` queues (starting the daemon if need be)."""
+        pending = _Pending()
+        with self._cv:
+            self._connect()
+            self._statuses.append(pending)
+        self._send({"op": "status"})
+        if not pending.event.wait(timeout) or pending.reply is None:
+            raise DaemonUnavailable("no status reply from the daemon")
+        queues = pending.reply.get("queues")
+        return queues if isinstance(queues, list) else []
+
+    def _position(self, lease: Lease) -> Optional[int]:
+        """Where the session waits (1 is next), in enqueue order, as ``status`` shows it: in the
+        queue that owns the key it asked with (a group's name for a member key)."""
+        try:
+            queues = self.status(timeout=2.0)
+        except DaemonUnavailable:
+            return None
+        owner = self.addressing.address_endpoint(lease.queue_key)[0]
+        ranked = sorted(queues, key=lambda q: q.get("queueKey") not in (owner, lease.queue_key))
+        for q in ranked:
+            for i, w in enumerate(q.get("waiting") or []):
+                if isinstance(w, dict) and w.get("sessionKey") == lease.session_key:
+                    return i + 1
+        return None
+
+    def session(self, queue_key: str, session_key: Optional[str] = None, role: str = "parent",
+                group: Optional[str] = None, grace_ms: int = GRACE_MS) -> Session:
+        """A Session: turn-based affinity for one agent session on one queue."""
+        return Session(self, queue_key, session_key, role, group, grace_ms)
+
+    def close(self) -> None:
+        """Say ``bye`` (everything this process holds or queued is let go now) and disconnect."""
+        with self._cv:
+            if self._closed:
+                return
+            sock = self._sock
+            leases = list(self._leases.values())
+            self._leases.clear()
+            for lease in leases:
+                lease.released = True
+        if sock is not None:
+            self._quietly({"op": "bye"})
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._connection_lost(sock, self._generation)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for proc in self._spawned:
+            proc.poll()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- the beat thread ----------------------------------------------------------------------
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Callable[[], None]:
+        """Run ``callback`` on the beat thread after ``delay`` seconds; returns a canceller."""
+        entry_box: list[Any] = []
+
+        def run() -> None:
+            if entry_box:
+                callback()
+
+        with self._cv:
+            self._later_seq += 1
+            entry = (time.monotonic() + delay, self._later_seq, run)
+            entry_box.append(entry)
+            heapq.heappush(self._later, entry)
+            self._start_worker()
+            self._cv.notify_all()
+
+        def cancel() -> None:
+            with self._cv:
+                entry_box.clear()
+
+        return cancel
+
+    def _start_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name="llmqueue-beat", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        """Keyed beats for held leases not inside ``blocking()``, each at its terms' period;
+        one bare heartbeat for the connection at the smallest period of the paused ones; and
+        the delayed calls (a Session's grace release)."""
+        while True:
+            actions: list[Callable[[], None]] = []
+            with self._cv:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                wake = now + 60.0
+                paused_period: Optional[float] = None
+                for lease in list(self._leases.values()):
+                    if not lease.held:
+                        continue
+                    period = lease.terms.refresh_period_ms() / 1000.0
+                    if lease._blocking:
+                        paused_period = period if paused_period is None else min(paused_period, period)
+                        continue
+                    if lease._next_beat <= now:
+                        lease._next_beat = now + period
+                        actions.append(self._beat_action(lease))
+                    wake = min(wake, lease._next_beat)
+                if paused_period is not None:
+                    if self._next_bare <= now:
+                        self._next_bare = now + paused_period
+                        actions.append(lambda: self._quietly({"op": "renew"}))
+                    wake = min(wake, self._next_bare)
+                while self._later and self._later[0][0] <= now:
+                    actions.append(heapq.heappop(self._later)[2])
+                if self._later:
+                    wake = min(wake, self._later[0][0])
+                if not actions:
+                    self._cv.wait(max(0.0, wake - now))
+                    continue
+            for action in actions:
+                try:
+                    action()
+                except Exception as e:  # a failing callback must not stop the beats
+                    self.on_warning(f"llmqueue: background call failed: {e!r}")
+
+    def _beat_action(self, lease: Lease) -> Callable[[], None]:
+        message = {"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key}
+        return lambda: self._quietly(message)
+
+
+class Session:
+    """Turn-based affinity for one agent session on one queue (the spec's client contract).
+
+    ``with session.run():`` acquires when the run starts (or keeps the slot still held from the
+    previous run's grace: switch-free) and, when the run settles, releases ``grace_ms`` (3 s)
+    later; an exception out of the run aborts it (the slot is let go at once).  Inside a run,
+    ``with session.request():`` makes sure the slot is still held before each model request
+    (re-queueing if it was lost), and ``with session.blocking():`` or ``session.tool(name)``
+    pauses the activity beat while the run waits on another agent.  ``abort()`` cancels from any
+    thread (a queued acquire raises Cancelled); ``close()`` releases at once (shutdown).
+    """
+
+    def __init__(self, client: Client, queue_key: str, session_key: Optional[str] = None,
+                 role: str = "parent", group: Optional[str] = None, grace_ms: int = GRACE_MS) -> None:
+        import uuid
+
+        self.client = client
+        self.queue_key = queue_key
+        self.session_key = session_key or str(uuid.uuid4())
+        self.role = role
+        self.group = group
+        self.grace_ms = grace_ms
+        self.lease: Optional[Lease] = None
+        self._cancel_grace: Optional[Callable[[], None]] = None
+        self._lock = threading.Lock()
+
+    def start(self, timeout: Optional[float] = None) -> Lease:
+        """The run starts: hold the slot (a pending grace release is called off)."""
+        with self._lock:
+            if self._cancel_grace is not None:
+                self._cancel_grace()
+                self._cancel_grace = None
+            lease = self.lease
+        if lease is not None and not lease.released:
+            return lease.ensure(timeout)
+        lease = self.client.acquire(self.queue_key, self.session_key, self.role, self.group,
+                                    activity=True, timeout=timeout)
+        with self._lock:
+            self.lease = lease
+        return lease
+
+    def settle(self) -> None:
+        """The run settled: release after the grace, unless the next run starts first."""
+        with self._lock:
+            lease = self.lease
+            if lease is None or lease.released or self._cancel_grace is not None:
+                return
+
+            def release() -> None:
+                with self._lock:
+                    self._cancel_grace = None
+                    if self.lease is lease:
+                        self.lease = None
+                lease.release()
+
+            self._cancel_grace = self.client.call_later(self.grace_ms / 1000.0, release)
+
+    def abort(self) -> None:
+        """Esc: a queued request is dropped (its acquire raises Cancelled), a held slot released."""
+        with self._lock:
+            if self._cancel_grace is not None:
+                self._cancel_grace()
+                self._cancel_grace = None
+            self.lease = None
+        self.client.cancel(self.queue_key, self.session_key)
+
+    def close(self) -> None:
+        """Shutdown: release at once, no grace."""
+        with self._lock:
+            if self._cancel_grace is not None:
+                self._cancel_grace()
+                self._cancel_grace = None
+            lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
+
+    def run(self, timeout: Optional[float] = None) -> _Run:
+        return _Run(self, timeout)
+
+    def request(self, timeout: Optional[float] = None) -> _Request:
+        return _Request(self, timeout)
+
+    def blocking(self) -> _Blocking:
+        if self.lease is None:
+            raise LLMQueueError("blocking() outside a run")
+        return self.lease.blocking()
+
+    def tool(self, name: str) -> Any:
+        """A context for running tool ``name``: blocking when the config lists it in
+        ``blockingTools``, otherwise the beat goes on."""
+        import contextlib
+
+        if name in self.client.config.blocking_tools and self.lease is not None:
+            return self.lease.blocking()
+        return contextlib.nullcontext()
+
+
+class _Run:
+    def __init__(self, session: Session, timeout: Optional[float]) -> None:
+        self.session = session
+        self.timeout = timeout
+
+    def __enter__(self) -> Lease:
+        return self.session.start(self.timeout)
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.session.settle()
+        else:
+            self.session.abort()
+
+
+class _Request:
+    def __init__(self, session: Session, timeout: Optional[float]) -> None:
+        self.session = session
+        self.timeout = timeout
+
+    def __enter__(self) -> Lease:
+        lease = self.session.lease
+        if lease is None or lease.released:
+            return self.session.start(self.timeout)
+        return lease.ensure(self.timeout)
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+# =================================================================================================
 # The command line
 #
 # ``python llmqueue.py [daemon options]`` runs the daemon in the foreground (``daemon`` may be
-# named).  Subcommands for people: ``status`` and ``check-config``.
+# named).  Subcommands for people: ``status``, ``run`` and ``check-config``.
 # =================================================================================================
 
 
@@ -2043,18 +2801,107 @@ def format_status(queues: list[dict[str, Any]]) -> str:
 def _cmd_status(argv: list[str]) -> int:
     parser = _paths_parser("llmqueue status", "Show every queue, its holders and its waiters.")
     parser.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
+    parser.add_argument("--watch", type=float, metavar="SECONDS",
+                        help="redraw every SECONDS until Ctrl-C")
     args = parser.parse_args(argv)
     path = _socket_path(args)
     try:
-        reply = _ask(path, {"op": "status"})
-    except (OSError, ValueError) as e:
-        print(f"llmqueue: no daemon is running on {path} ({e})", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(reply))
+        while True:
+            try:
+                reply = _ask(path, {"op": "status"})
+            except (OSError, ValueError) as e:
+                print(f"llmqueue: no daemon is running on {path} ({e})", file=sys.stderr)
+                return 1
+            text = json.dumps(reply) + "\n" if args.json else format_status(reply.get("queues") or [])
+            if args.watch is None:
+                sys.stdout.write(text)
+                return 0
+            stamp = time.strftime("%H:%M:%S")
+            sys.stdout.write(f"\x1b[H\x1b[2J{stamp}  {path}\n\n{text}")  # home, clear, redraw
+            sys.stdout.flush()
+            time.sleep(max(args.watch, 0.1))
+    except KeyboardInterrupt:
+        return 0
+
+
+# Signals ``llmqueue run`` passes on to its command.  Ctrl-C and Ctrl-\ typed at a terminal
+# already reach the command (the whole foreground process group gets them), so those two are
+# passed on only when they did not come from our terminal.
+_FORWARDED = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGQUIT", "SIGWINCH", "SIGCONT")
+
+
+def _in_terminal_foreground() -> bool:
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _cmd_run(argv: list[str]) -> int:
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
     else:
-        sys.stdout.write(format_status(reply.get("queues") or []))
-    return 0
+        command = []
+    parser = _paths_parser("llmqueue run",
+                           "Hold a slot of a queue while a command runs (like flock(1) for a model endpoint).")
+    parser.usage = "llmqueue run --queue KEY [options] -- COMMAND [ARGS...]"
+    parser.add_argument("--queue", required=True, help="the queueKey: endpoint URL, provider or group")
+    parser.add_argument("--session", help="the session key (default: run-PID)")
+    parser.add_argument("--role", choices=ROLES, default="parent", help="the tier (default: parent)")
+    parser.add_argument("--group", help="a label shown by status")
+    parser.add_argument("--fail-closed", action="store_true",
+                        help="exit 75 instead of running unqueued when no daemon can be had")
+    args = parser.parse_args(argv)
+    if not command:
+        parser.error("no command given after --")
+    import subprocess
+
+    tty = sys.stderr.isatty()
+
+    def show(lease: Lease, position: int) -> None:
+        if tty:
+            sys.stderr.write(f"\rllmqueue: waiting for {lease.queue_key}: position {position}   ")
+            sys.stderr.flush()
+
+    client = Client(args.agent_dir, socket_path=args.socket,
+                    fail_open=False if args.fail_closed else None, on_position=show,
+                    on_warning=lambda message: print(message, file=sys.stderr))
+    try:
+        try:
+            lease = client.acquire(args.queue, args.session or f"run-{os.getpid()}", args.role, args.group)
+        except KeyboardInterrupt:
+            print("\nllmqueue: cancelled while queued", file=sys.stderr)
+            return 130
+        except DaemonUnavailable as e:
+            print(f"llmqueue: {e}", file=sys.stderr)
+            return 75  # EX_TEMPFAIL
+        if tty and lease.queued:
+            sys.stderr.write("\r\x1b[K")
+        try:
+            proc = subprocess.Popen(command)
+        except OSError as e:
+            print(f"llmqueue: cannot run {command[0]}: {e.strerror or e}", file=sys.stderr)
+            lease.release()
+            return 127
+        from_terminal = _in_terminal_foreground()
+
+        def forward(signum: int, frame: Any) -> None:
+            if from_terminal and signum in (signal.SIGINT, signal.SIGQUIT):
+                return  # the terminal sent it to the command already
+            try:
+                proc.send_signal(signum)
+            except OSError:
+                pass
+
+        for name in _FORWARDED:
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), forward)
+        code = proc.wait()
+        lease.release()
+        return code if code >= 0 else 128 - code
+    finally:
+        client.close()
 
 
 def _cmd_check_config(argv: list[str]) -> int:
@@ -2089,6 +2936,7 @@ _COMMANDS: Dict[str, Callable[[List[str]], int]] = {
     "daemon": _cmd_daemon,
     "status": _cmd_status,
     "check-config": _cmd_check_config,
+    "run": _cmd_run,
 }
 
 

@@ -555,7 +555,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.sampled_from(lq.OPS + ("x",)), st.dictionaries(
     st.sampled_from(["queueKey", "sessionKey", "role", "group", "activity", "other"]), json_values))
 def test_parse_request_on_any_json_object_returns_a_request_or_raises_protocol_error(

@@ -197,10 +197,18 @@ class DaemonProc:
         raise AssertionError(f"no queue {key} in status")
 
     def holders(self, key: str) -> list[str]:
-        return [h["sessionKey"] for h in self.queue(key)["holders"]]
+        """The queue's holders, in grant order; none while the queue does not exist yet."""
+        for q in self.status():
+            if q["queueKey"] == key:
+                return [h["sessionKey"] for h in q["holders"]]
+        return []
 
     def waiting(self, key: str) -> list[str]:
-        return [w["sessionKey"] for w in self.queue(key)["waiting"]]
+        """The queue's waiters, in enqueue order; none while the queue does not exist yet."""
+        for q in self.status():
+            if q["queueKey"] == key:
+                return [w["sessionKey"] for w in q["waiting"]]
+        return []
 
     def stderr(self) -> str:
         try:

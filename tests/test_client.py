@@ -1,0 +1,591 @@
+"""The client contract: ``Client``, ``Lease``, ``Session`` and the ``status`` / ``run`` commands.
+
+Against a real daemon (started by the harness, or by the client itself on demand): autostart,
+acquire and release, beats on the lease's own terms (keyed while active, paused inside
+``blocking()`` with the bare heartbeat keeping the TTL), ``granted: false`` marking a lease lost
+and ``ensure()`` re-queueing, Session grace and abort, fail-open and fail-closed, the queue-wait
+warning, position reports, and many threads sharing one Client.
+
+Against a scripted fake daemon (a unix socket whose replies the test writes): reply matching
+(a grant for someone else is dropped, never buffered), beat periods taken from the granted
+terms (and from the client's own config when the daemon sends none), and ``close()`` sending
+``bye``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+
+import llmqueue as lq
+from tests.harness import MODULE, QUEUE_KEY, DaemonProc, Peer, short_tmpdir, started, wait_for
+
+K = QUEUE_KEY
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProc]:
+    yield from started()
+
+
+def client_for(d: DaemonProc, **kwargs: Any) -> lq.Client:
+    return lq.Client(d.agent_dir, autostart=False, **kwargs)
+
+
+# -- a scripted fake daemon ---------------------------------------------------------------------
+
+
+class FakeDaemon:
+    """A unix socket that records every request line and answers through ``reply(msg, send)``."""
+
+    def __init__(self, reply: Callable[[dict[str, Any], Callable[[dict[str, Any]], None]], None]) -> None:
+        self.dir = short_tmpdir()
+        self.path = os.path.join(self.dir, "llm-queue.sock")
+        self.reply = reply
+        self.lines: list[tuple[float, dict[str, Any]]] = []
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(8)
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+
+    def _talk(self, conn: socket.socket) -> None:
+        buf = b""
+
+        def send(obj: dict[str, Any]) -> None:
+            try:
+                conn.sendall(json.dumps(obj).encode() + b"\n")
+            except OSError:
+                pass
+
+        while True:
+            try:
+                chunk = conn.recv(65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = json.loads(line)
+                self.lines.append((time.monotonic(), msg))
+                self.reply(msg, send)
+
+    def ops(self, op: str) -> list[tuple[float, dict[str, Any]]]:
+        return [(t, m) for t, m in self.lines if m.get("op") == op]
+
+    def close(self) -> None:
+        self.listener.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.fixture
+def fake_factory() -> Iterator[Callable[..., FakeDaemon]]:
+    made: list[FakeDaemon] = []
+
+    def make(reply: Callable[[dict[str, Any], Callable[[dict[str, Any]], None]], None]) -> FakeDaemon:
+        f = FakeDaemon(reply)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def granting(terms: Optional[dict[str, int]] = None) -> Callable[[dict[str, Any], Callable[[dict[str, Any]], None]], None]:
+    """A fake daemon that grants every acquire at once with ``terms`` and answers renews."""
+    def reply(msg: dict[str, Any], send: Callable[[dict[str, Any]], None]) -> None:
+        if msg["op"] == "acquire":
+            send(dict({"op": "granted", "queueKey": msg["queueKey"], "sessionKey": msg["sessionKey"]}, **(terms or {})))
+        elif msg["op"] == "renew":
+            if "queueKey" in msg:
+                send({"op": "ok", "queueKey": msg["queueKey"], "sessionKey": msg["sessionKey"], "granted": True})
+            else:
+                send({"op": "ok"})
+        elif msg["op"] == "status":
+            send({"op": "status", "queues": []})
+    return reply
+
+
+# -- acquire and reply matching -------------------------------------------------------------------
+
+
+def test_acquire_returns_a_lease_with_the_terms_of_the_granted_reply(daemon: DaemonProc) -> None:
+    with client_for(daemon) as c:
+        lease = c.acquire(K, "A")
+        assert lease.held and lease.queued and lease.seq == 1
+        assert lease.terms == lq.LeaseTerms(30000, 30000)
+        assert daemon.holders(K) == ["A"]
+        lease.release()
+        wait_for(lambda: daemon.holders(K) == [])
+
+
+def test_a_grant_for_another_session_is_dropped_never_buffered(fake_factory: Callable[..., FakeDaemon]) -> None:
+    """The client resolves acquire only on a granted reply naming its own queueKey and
+    sessionKey; a stray grant and a release's ok are dropped, not kept for a later request."""
+    def reply(msg: dict[str, Any], send: Callable[[dict[str, Any]], None]) -> None:
+        if msg["op"] == "acquire" and msg["sessionKey"] == "A":
+            send({"op": "ok"})
+            send({"op": "granted", "queueKey": K, "sessionKey": "B", "leaseTtlMs": 30000, "idleYieldMs": 0})
+            send({"op": "granted", "queueKey": "http://elsewhere/v1", "sessionKey": "A"})
+            time.sleep(0.2)
+            send({"op": "granted", "queueKey": K, "sessionKey": "A", "leaseTtlMs": 30000, "idleYieldMs": 0})
+    fake = fake_factory(reply)
+    with lq.Client(fake.dir, autostart=False) as c:
+        started_at = time.monotonic()
+        lease = c.acquire(K, "A")
+        assert time.monotonic() - started_at >= 0.2  # the stray grant did not resolve it
+        assert lease.session_key == "A" and lease.held
+        outcome: list[Any] = []
+
+        def late() -> None:
+            try:
+                outcome.append(c.acquire(K, "B", timeout=0.5))
+            except TimeoutError as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=late, daemon=True)
+        t.start()
+        t.join(2)
+        # B's stray grant arrived before B asked: it was not buffered for it.
+        assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError)
+
+
+def test_beats_follow_the_granted_terms_not_the_clients_config(fake_factory: Callable[..., FakeDaemon]) -> None:
+    fake = fake_factory(granting({"leaseTtlMs": 1200, "idleYieldMs": 0}))
+    with open(os.path.join(fake.dir, "llm-queue.json"), "w") as f:
+        json.dump({"defaults": {"leaseTtlMs": 30000, "idleYieldMs": 30000}}, f)
+    with lq.Client(fake.dir, autostart=False) as c:
+        lease = c.acquire(K, "A")
+        assert lease.terms == lq.LeaseTerms(1200, 0) and lease.terms.refresh_period_ms() == 400
+        time.sleep(1.5)
+        beats = [t for t, m in fake.ops("renew") if m.get("sessionKey") == "A"]
+        assert 2 <= len(beats) <= 5, beats  # every ~400 ms, not every 10 s (the config's copy)
+
+
+def test_a_daemon_that_sends_no_terms_leaves_the_clients_config_as_fallback(
+        fake_factory: Callable[..., FakeDaemon]) -> None:
+    fake = fake_factory(granting(None))
+    with open(os.path.join(fake.dir, "llm-queue.json"), "w") as f:
+        json.dump({"defaults": {"leaseTtlMs": 1500, "idleYieldMs": 600}}, f)
+    with lq.Client(fake.dir, autostart=False) as c:
+        lease = c.acquire(K, "A")
+        assert lease.terms == lq.LeaseTerms(1500, 600)
+        assert lease.terms.refresh_period_ms() == 300  # min(500, 600 / 2)
+
+
+def test_close_says_bye(fake_factory: Callable[..., FakeDaemon]) -> None:
+    fake = fake_factory(granting({"leaseTtlMs": 30000, "idleYieldMs": 0}))
+    c = lq.Client(fake.dir, autostart=False)
+    c.acquire(K, "A")
+    c.close()
+    wait_for(lambda: fake.ops("bye"))
+
+
+# -- leases on their terms ---------------------------------------------------------------------------
+
+
+def test_a_held_lease_is_kept_alive_by_beats_past_several_ttls() -> None:
+    for d in started(config={"defaults": {"leaseTtlMs": 1000, "idleYieldMs": 300}}):
+        with client_for(d) as c:
+            lease = c.acquire(K, "A")
+            with d.peer() as waiter:
+                waiter.send({"op": "acquire", "queueKey": K, "sessionKey": "W"})
+                time.sleep(2.5)  # 2.5 TTLs and 8 idle windows, with a waiter queued
+                assert d.holders(K) == ["A"] and lease.held and lease.beat()
+                lease.release()
+                assert waiter.recv()["sessionKey"] == "W"
+
+
+def test_inside_blocking_the_keyed_beat_pauses_and_the_bare_heartbeat_keeps_the_ttl() -> None:
+    for d in started(config={"defaults": {"leaseTtlMs": 1000, "idleYieldMs": 400}}):
+        with client_for(d) as c:
+            lease = c.acquire(K, "A")
+            with lease.blocking():
+                time.sleep(1.3)  # past the TTL: only the bare heartbeat keeps it
+                assert d.holders(K) == ["A"]  # no waiter: a lone holder is never yielded
+                with d.peer() as waiter:
+                    waiter.send({"op": "acquire", "queueKey": K, "sessionKey": "W"})
+                    assert waiter.recv(timeout=3)["sessionKey"] == "W"  # idle: yielded to the waiter
+            assert lease.beat() is False
+            assert lease.lost and not lease.held
+
+
+def test_a_lost_lease_requeues_before_it_streams() -> None:
+    for d in started(config={"defaults": {"leaseTtlMs": 1000, "idleYieldMs": 300}}):
+        with client_for(d) as c:
+            lease = c.acquire(K, "A")
+            with d.peer() as waiter:
+                with lease.blocking():  # parked: the keyed beat pauses, the slot goes idle
+                    waiter.send({"op": "acquire", "queueKey": K, "sessionKey": "W"})
+                    waiter.recv(timeout=3)
+                done: list[lq.Lease] = []
+                # The next request's beat learns the slot is gone, and queues before streaming.
+                t = threading.Thread(target=lambda: done.append(lease.ensure()), daemon=True)
+                t.start()
+                wait_for(lambda: d.waiting(K) == ["A"])
+                assert not done
+                waiter.ask({"op": "release", "queueKey": K, "sessionKey": "W"})
+                t.join(5)
+            assert done and lease.held and d.holders(K) == ["A"]
+
+
+# -- sessions: turn-based affinity --------------------------------------------------------------------
+
+
+def test_session_releases_three_seconds_after_the_run_settles_and_a_rerun_in_the_grace_is_switch_free(
+        daemon: DaemonProc) -> None:
+    with client_for(daemon) as c:
+        s = c.session(K, "S")
+        with s.run() as first:
+            pass
+        settled = time.monotonic()
+        time.sleep(0.5)
+        assert daemon.holders(K) == ["S"]  # held through the grace
+        with s.run() as second:
+            assert second is first
+        assert daemon.queue(K)["switches"] == 0 and daemon.queue(K)["grants"] == 1
+        wait_for(lambda: daemon.holders(K) == [], timeout=6)
+        assert time.monotonic() - settled >= 3.0  # the grace counts from the last settle
+
+
+def test_session_close_releases_at_once(daemon: DaemonProc) -> None:
+    with client_for(daemon) as c:
+        s = c.session(K, "S")
+        with s.run():
+            pass
+        s.close()
+        wait_for(lambda: daemon.holders(K) == [], timeout=1)
+
+
+def test_session_abort_drops_a_queued_request_and_its_acquire_raises_cancelled(daemon: DaemonProc) -> None:
+    with client_for(daemon) as c, daemon.peer() as holder:
+        holder.ask({"op": "acquire", "queueKey": K, "sessionKey": "H"})
+        s = c.session(K, "S", role="child")
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                with s.run():
+                    pass
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        wait_for(lambda: daemon.waiting(K) == ["S"])
+        s.abort()
+        t.join(5)
+        assert errors and isinstance(errors[0], lq.Cancelled)
+        wait_for(lambda: daemon.waiting(K) == [])
+
+
+def test_session_abort_releases_a_held_slot_at_once_and_an_error_in_the_run_aborts(daemon: DaemonProc) -> None:
+    with client_for(daemon) as c:
+        s = c.session(K, "S")
+        s.start()
+        s.abort()
+        wait_for(lambda: daemon.holders(K) == [], timeout=1)
+        with pytest.raises(ZeroDivisionError):
+            with s.run():
+                1 / 0
+        wait_for(lambda: daemon.holders(K) == [], timeout=1)
+
+
+def test_session_tool_pauses_the_beat_only_for_blocking_tools() -> None:
+    for d in started(config={"defaults": {"blockingTools": ["wait_for_child"]}}):
+        with client_for(d) as c:
+            s = c.session(K, "S")
+            with s.run() as lease:
+                with s.tool("wait_for_child"):
+                    assert lease._blocking == 1
+                with s.tool("read_file"):
+                    assert lease._blocking == 0
+            s.close()
+
+
+# -- fail-open ----------------------------------------------------------------------------------------
+
+
+def test_no_daemon_fail_open_goes_ahead_unqueued_with_one_warning() -> None:
+    d = short_tmpdir()
+    warnings: list[str] = []
+    c = lq.Client(d, autostart=False, on_warning=warnings.append)
+    first = c.acquire(K, "A")
+    second = c.acquire(K, "B")
+    assert not first.queued and not second.queued
+    assert len(warnings) == 1 and "unqueued" in warnings[0]
+    first.release()  # a no-op, and no error
+    c.close()
+
+
+def test_no_daemon_fail_closed_raises() -> None:
+    c = lq.Client(short_tmpdir(), autostart=False, fail_open=False)
+    with pytest.raises(lq.DaemonUnavailable):
+        c.acquire(K, "A")
+    c.close()
+
+
+def test_fail_open_is_read_from_the_config() -> None:
+    d = short_tmpdir()
+    with open(os.path.join(d, "llm-queue.json"), "w") as f:
+        json.dump({"defaults": {"failOpen": False}}, f)
+    for dm in started(agent_dir=d, config={"defaults": {"failOpen": False}}):
+        c = client_for(dm)
+        c.acquire(K, "A").release()
+        assert c.fail_open is False
+        c.close()
+
+
+def test_a_daemon_that_dies_mid_wait_releases_the_waiter_to_its_work(daemon: DaemonProc) -> None:
+    with client_for(daemon, on_warning=lambda m: None) as c, daemon.peer() as holder:
+        holder.ask({"op": "acquire", "queueKey": K, "sessionKey": "H"})
+        got: list[lq.Lease] = []
+        t = threading.Thread(target=lambda: got.append(c.acquire(K, "W")), daemon=True)
+        t.start()
+        wait_for(lambda: daemon.waiting(K) == ["W"])
+        assert daemon.proc is not None
+        daemon.proc.kill()
+        t.join(5)
+        assert got and not got[0].queued
+
+
+def test_a_daemon_that_dies_mid_wait_with_fail_closed_raises(daemon: DaemonProc) -> None:
+    with client_for(daemon, fail_open=False) as c, daemon.peer() as holder:
+        holder.ask({"op": "acquire", "queueKey": K, "sessionKey": "H"})
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                c.acquire(K, "W")
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        wait_for(lambda: daemon.waiting(K) == ["W"])
+        assert daemon.proc is not None
+        daemon.proc.kill()
+        t.join(5)
+        assert errors and isinstance(errors[0], lq.DaemonUnavailable)
+
+
+# -- autostart ------------------------------------------------------------------------------------
+
+
+def test_the_first_acquire_starts_a_daemon_and_racing_clients_share_one() -> None:
+    d = short_tmpdir()
+    with open(os.path.join(d, "llm-queue.json"), "w") as f:
+        json.dump({"defaults": {"daemonIdleExitMs": 200}}, f)
+    clients = [lq.Client(d) for _ in range(4)]
+    leases: list[lq.Lease] = []
+    lock = threading.Lock()
+
+    def go(c: lq.Client, n: int) -> None:
+        lease = c.acquire(K, f"s{n}", timeout=20)
+        with lock:
+            leases.append(lease)
+        time.sleep(0.05)
+        lease.release()
+
+    threads = [threading.Thread(target=go, args=(c, n)) for n, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        assert len(leases) == 4 and all(l.queued for l in leases)  # all queued through one daemon
+        seqs = sorted(l.seq or 0 for l in leases)
+        assert seqs == [1, 2, 3, 4]  # one queue, one daemon: grant numbers 1..4
+    finally:
+        for c in clients:
+            c.close()
+    wait_for(lambda: not os.path.exists(os.path.join(d, "llm-queue.sock")), timeout=5)  # it idle-exits
+
+
+# -- waiting: warning and position --------------------------------------------------------------------
+
+
+def test_a_parent_waiting_past_queue_timeout_is_warned_once_and_stays_queued() -> None:
+    for d in started(config={"defaults": {"queueTimeoutMs": 200}}):
+        warnings: list[str] = []
+        with client_for(d, on_warning=warnings.append) as c, d.peer() as holder:
+            holder.ask({"op": "acquire", "queueKey": K, "sessionKey": "H"})
+            got: list[lq.Lease] = []
+            t = threading.Thread(target=lambda: got.append(c.acquire(K, "P")), daemon=True)
+            t.start()
+            time.sleep(0.6)
+            assert len(warnings) == 1 and "P" in warnings[0]
+            assert d.waiting(K) == ["P"] and not got  # still queued, not passed through
+            holder.ask({"op": "release", "queueKey": K, "sessionKey": "H"})
+            t.join(5)
+            assert got and got[0].held
+
+
+def test_a_child_is_never_warned_and_never_passes_through() -> None:
+    for d in started(config={"defaults": {"queueTimeoutMs": 100}}):
+        warnings: list[str] = []
+        with client_for(d, on_warning=warnings.append) as c, d.peer() as holder:
+            holder.ask({"op": "acquire", "queueKey": K, "sessionKey": "H"})
+            t = threading.Thread(target=lambda: c.acquire(K, "C", role="child"), daemon=True)
+            t.start()
+            time.sleep(0.5)
+            assert warnings == [] and d.waiting(K) == ["C"]
+            holder.ask({"op": "release", "queueKey": K, "sessionKey": "H"})
+            t.join(5)
+
+
+def test_position_is_reported_at_300_ms_and_then_every_2_s(daemon: DaemonProc) -> None:
+    seen: list[tuple[float, int]] = []
+    start = time.monotonic()
+    with client_for(daemon, on_position=lambda lease, pos: seen.append((time.monotonic() - start, pos))) as c, \
+            daemon.peer() as holder, daemon.peer() as ahead:
+        holder.ask({"op": "acquire", "queueKey": K, "sessionKey": "H"})
+        ahead.send({"op": "acquire", "queueKey": K, "sessionKey": "X"})
+        wait_for(lambda: daemon.waiting(K) == ["X"])
+        start = time.monotonic()
+        t = threading.Thread(target=lambda: c.acquire(K, "P"), daemon=True)
+        t.start()
+        time.sleep(2.6)
+        assert [p for _, p in seen] == [2, 2]
+        assert 0.25 <= seen[0][0] <= 0.6 and 2.1 <= seen[1][0] <= 2.6
+        ahead.close()
+        holder.ask({"op": "release", "queueKey": K, "sessionKey": "H"})
+        t.join(5)
+
+
+# -- many threads, one client ------------------------------------------------------------------------
+
+
+def test_threads_sharing_one_client_never_overlap(daemon: DaemonProc) -> None:
+    intervals: list[tuple[float, float]] = []
+    lock = threading.Lock()
+    with client_for(daemon) as c:
+        def work(n: int) -> None:
+            for _ in range(10):
+                with c.acquire(K, f"t{n}", role="child" if n % 2 else "parent", timeout=30):
+                    a = time.monotonic()
+                    time.sleep(0.002)
+                    b = time.monotonic()
+                    with lock:
+                        intervals.append((a, b))
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert len(intervals) == 60
+    intervals.sort()
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(intervals, intervals[1:]))
+
+
+# -- the commands ---------------------------------------------------------------------------------
+
+
+def run_cli(*args: str, timeout: float = 30, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, MODULE, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def test_status_never_starts_a_daemon() -> None:
+    d = short_tmpdir()
+    out = run_cli("status", "--agent-dir", d)
+    assert out.returncode == 1 and "no daemon" in out.stderr
+    time.sleep(0.2)
+    assert not os.path.exists(os.path.join(d, "llm-queue.sock"))
+
+
+def test_status_shows_slots_depth_switches_and_people(daemon: DaemonProc) -> None:
+    a, b, c2 = daemon.peer(), daemon.peer(), daemon.peer()
+    a.ask({"op": "acquire", "queueKey": K, "sessionKey": "A", "group": "team"})
+    b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "child"})
+    c2.send({"op": "acquire", "queueKey": K, "sessionKey": "C"})
+    wait_for(lambda: len(daemon.waiting(K)) == 2)
+    out = run_cli("status", "--agent-dir", daemon.agent_dir)
+    assert out.returncode == 0
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"{K}  1/1  waiting: 1 parent, 1 child  switches: 0"
+    assert lines[1:] == ["  holds  A parent [team]", "  waits  B child", "  waits  C parent"]
+
+
+def test_status_watch_redraws_in_place_until_interrupted(daemon: DaemonProc) -> None:
+    proc = subprocess.Popen([sys.executable, MODULE, "status", "--watch", "0.1", "--agent-dir", daemon.agent_dir],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.6)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    assert out.count("\x1b[H\x1b[2J") >= 3
+
+
+def test_run_holds_the_slot_while_the_command_runs_and_exits_with_its_status(daemon: DaemonProc) -> None:
+    script = ("import json,socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
+              "s.sendall(b'{\"op\":\"status\"}\\n'); print(s.recv(65536).decode()); sys.exit(7)")
+    out = run_cli("run", "--agent-dir", daemon.agent_dir, "--queue", K, "--session", "R", "--group", "g",
+                  "--", sys.executable, "-c", script, daemon.socket_path)
+    assert out.returncode == 7, out.stderr
+    reply = json.loads(out.stdout)
+    (q,) = [q for q in reply["queues"] if q["queueKey"] == K]
+    assert q["holders"] == [{"sessionKey": "R", "role": "parent", "group": "g"}]
+    wait_for(lambda: daemon.holders(K) == [])
+
+
+def test_run_waits_for_the_slot_and_ctrl_c_while_queued_cancels_cleanly(daemon: DaemonProc) -> None:
+    with daemon.peer() as holder:
+        holder.ask({"op": "acquire", "queueKey": K, "sessionKey": "H"})
+        proc = subprocess.Popen([sys.executable, MODULE, "run", "--agent-dir", daemon.agent_dir, "--queue", K,
+                                 "--session", "R", "--", "true"], stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: daemon.waiting(K) == ["R"])
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=10)
+        assert proc.returncode == 130 and "cancelled" in err
+        wait_for(lambda: daemon.waiting(K) == [])
+        assert daemon.holders(K) == ["H"]
+
+
+def test_run_forwards_signals_to_the_command_and_releases_when_it_exits(daemon: DaemonProc) -> None:
+    proc = subprocess.Popen([sys.executable, MODULE, "run", "--agent-dir", daemon.agent_dir, "--queue", K,
+                             "--session", "R", "--", "sleep", "30"])
+    wait_for(lambda: daemon.holders(K) == ["R"])
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 128 + signal.SIGTERM
+    wait_for(lambda: daemon.holders(K) == [])
+
+
+def test_run_fail_closed_exits_75_without_running_the_command() -> None:
+    d = short_tmpdir()
+    marker = os.path.join(d, "ran")
+    env = dict(os.environ)
+    out = run_cli("run", "--agent-dir", os.path.join(d, "nowhere", "x" * 80), "--queue", K, "--fail-closed",
+                  "--", "touch", marker, env=env)
+    assert out.returncode == 75 and not os.path.exists(marker), out.stderr
+
+
+def test_run_fail_open_runs_the_command_unqueued_with_a_warning() -> None:
+    d = short_tmpdir()
+    marker = os.path.join(d, "ran")
+    out = run_cli("run", "--agent-dir", os.path.join(d, "nowhere", "x" * 80), "--queue", K, "--", "touch", marker)
+    assert out.returncode == 0 and os.path.exists(marker)
+    assert "unqueued" in out.stderr
