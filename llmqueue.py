@@ -2922,10 +2922,18 @@ def _cmd_check_config(argv: list[str]) -> int:
     for warning in load.warnings:
         print(f"warning: {warning}")
     addressing = Addressing(load.config, catalog)
-    for entry in load.config.queues:
-        owner, policy = addressing.address_endpoint(entry.name)
+
+    def show(key: str) -> None:
+        owner, policy = addressing.address_endpoint(key)
         limit = "passthrough" if policy.max_streams is None else f"maxStreams {policy.max_streams}"
-        print(f"{entry.name} -> queue {owner} ({limit}, {policy.policy})")
+        print(f"{key} -> queue {owner} ({limit}, {policy.policy})")
+
+    for entry in load.config.queues:
+        show(entry.name)
+    if catalog:
+        print("providers in models.json:")
+        for provider in catalog:
+            show(provider)
     if load.state in ("ok", "missing"):
         print("ok")
         return 0

@@ -995,3 +995,16 @@ def test_check_config_a_missing_file_exits_0(tmp_path: Any) -> None:
 def test_check_config_a_file_that_cannot_be_used_exits_non_zero(tmp_path: Any, text: str) -> None:
     r = check_config(tmp_path, None, raw_text=text)
     assert r.returncode != 0, r.stdout + r.stderr
+
+
+def test_check_config_also_shows_where_each_models_json_provider_lands(tmp_path: Any) -> None:
+    """Providers that no config key names still get a line: the queue they land in (here one
+    through the group naming its endpoint, one split off by a group naming it exactly)."""
+    models = {"providers": {"llama": {"baseUrl": U1}, "strata": {"baseUrl": U1}, "other": {"baseUrl": U3}}}
+    config = {"queues": {"gpu": {"match": [U1]}, "strata-own": {"match": ["strata"]}}}
+    r = check_config(tmp_path, config, models)
+    assert r.returncode == 0, r.stdout + r.stderr
+    providers = r.stdout.split("providers in models.json:", 1)[1]
+    assert _resolution_line(providers, "llama", "gpu"), r.stdout
+    assert _resolution_line(providers, "strata", "strata-own"), r.stdout
+    assert _resolution_line(providers, "other", U3), r.stdout

@@ -32,6 +32,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -829,3 +830,33 @@ def test_socket_sigterm_and_sigint_exit_0_and_unlink_the_socket(signum: int) -> 
         assert code == 0, d.stderr()
         assert not os.path.exists(d.socket_path)
         assert a.closed_by_daemon(1.0)
+
+
+def test_an_idle_daemon_wakes_only_for_the_config_poll() -> None:
+    """Issue 3: with nothing due -- no waiters, and a held lease whose TTL is far off -- the loop
+    sleeps until the next timer; at the default flags that is the 1 s config poll, so the daemon
+    wakes about once a second, never on a fixed short interval for the sweep."""
+    import llmqueue as lq
+
+    d = lq.Daemon(short_tmpdir(), idle_exit_ms=-1)  # default --sweep-ms 1000
+    turns: list[float] = []
+    original = d._turn
+
+    def counting() -> None:
+        original()
+        turns.append(time.monotonic())
+
+    d._turn = counting  # type: ignore[method-assign]
+    d.bind()
+    t = threading.Thread(target=d.serve_forever, daemon=True)
+    t.start()
+    try:
+        with Peer(d.socket_path) as p:
+            assert p.ask({"op": "acquire", "queueKey": "http://127.0.0.1:9/v1", "sessionKey": "A"})["op"] == "granted"
+            quiet_from = time.monotonic()
+            time.sleep(3.2)
+            woken = [x for x in turns if x > quiet_from]
+            assert 2 <= len(woken) <= 4, woken  # ~1 per second: the poll, nothing else
+    finally:
+        d.stop()
+        t.join(5)
