@@ -47,6 +47,7 @@ __all__ = [
     "ConfigError",
     "Daemon",
     "DaemonError",
+    "Dequeued",
     "DaemonUnavailable",
     "Evicted",
     "Granted",
@@ -717,6 +718,16 @@ class Queued(NamedTuple):
     waiter: Waiter
 
 
+class Dequeued(NamedTuple):
+    """A waiter left its queue without a grant: ``reason`` is cancel, disconnect (its
+    connection closed, noticed at grant time at the latest), or merged (a reload folded it into
+    the same session's request or slot in another queue)."""
+
+    queue_key: str
+    waiter: Waiter
+    reason: str
+
+
 class Released(NamedTuple):
     """A slot returned: ``reason`` is release, cancel, disconnect or idle (an idle yield)."""
 
@@ -741,7 +752,7 @@ class OverCapacity(NamedTuple):
     max_streams: int
 
 
-Event = Union[Granted, Queued, Released, Evicted, OverCapacity]
+Event = Union[Granted, Queued, Dequeued, Released, Evicted, OverCapacity]
 
 
 class _Queue:
@@ -804,8 +815,12 @@ class Scheduler:
     applies the returned events.  ``next_deadline()`` says when ``sweep`` next has work.
     """
 
-    def __init__(self, addressing: Optional[Addressing] = None) -> None:
+    def __init__(self, addressing: Optional[Addressing] = None,
+                 alive: Optional[Callable[[Any], bool]] = None) -> None:
         self.addressing = addressing or Addressing()
+        # Asked at grant time whether a waiting connection is still there: a waiter whose
+        # connection already closed is never granted (the caller knows sockets; we do not).
+        self.alive: Callable[[Any], bool] = alive or (lambda conn: True)
         self._queues: dict[str, _Queue] = {}
         self._seq = 0  # waiter enqueue order, scheduler-wide
         self._conn_leases: dict[Any, set[Holder]] = {}
@@ -875,10 +890,12 @@ class Scheduler:
         q = self._find(key)
         if q is None:
             return []
+        events: list[Event] = []
         w = q.waiting.get(session)
         if w is not None:
             self._drop_waiter(w)
-        return self.release(key, session, now=now, reason="cancel")
+            events.append(Dequeued(q.key, w, "cancel"))
+        return events + self.release(key, session, now=now, reason="cancel")
 
     def set_role(self, session: str, role: str, *, now: float) -> list[Event]:
         """Re-tier the session's live waiters in place (their enqueue order is kept).  A holder
@@ -916,6 +933,7 @@ class Scheduler:
             w.targets = [t for t in w.targets if t[0] != conn]
             if not w.targets and w.live:
                 self._drop_waiter(w)
+                events.append(Dequeued(w.queue.key, w, "disconnect"))
         touched: list[_Queue] = []
         for holder in self._conn_leases.pop(conn, ()):
             holder.conns.discard(conn)
@@ -1010,6 +1028,7 @@ class Scheduler:
                 for conn, _ in w.targets:
                     self._attach(holding, conn)
                 self._drop_waiter(w)
+                events.append(Dequeued(q.key, w, "merged"))
                 events.append(Granted(q.key, holding, tuple(w.targets), new=False))
                 continue
             other = q.waiting.get(w.session)
@@ -1019,6 +1038,7 @@ class Scheduler:
                         other.targets.append(t)
                         self._conn_waiters.setdefault(t[0], set()).add(other)
                 self._drop_waiter(w)
+                events.append(Dequeued(q.key, w, "merged"))
                 continue
             w.queue = q
             w.parent_mark = q.parent_grants
@@ -1172,8 +1192,11 @@ class Scheduler:
             w = self._pick(q, now)
             if w is None:  # pragma: no cover - waiting and the heaps always agree
                 raise AssertionError(f"{q.key}: waiters without heap entries")
-            targets = tuple(w.targets)
+            targets = tuple(t for t in w.targets if self.alive(t[0]))
             self._drop_waiter(w)
+            if not targets:  # everyone who asked has gone: never grant a dead waiter
+                events.append(Dequeued(q.key, w, "disconnect"))
+                continue
             holder = self._grant(q, w.session, w.role, w.group, w.activity, w.key, now)
             for conn, _ in targets:
                 self._attach(holder, conn)
@@ -1281,6 +1304,10 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
         w = event.waiter
         return [{"event": "queued", "queueKey": event.queue_key, "sessionKey": w.session,
                  "role": ROLES[w.role]}]
+    if isinstance(event, Dequeued):
+        w = event.waiter
+        return [{"event": "dequeue", "queueKey": event.queue_key, "sessionKey": w.session,
+                 "role": ROLES[w.role], "reason": event.reason}]
     holder = event.holder
     base = {"queueKey": event.queue_key, "sessionKey": holder.session, "role": ROLES[holder.role]}
     if isinstance(event, Granted):
@@ -1746,6 +1773,21 @@ class Daemon:
             events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0)
             self._sel.modify(c.sock, events, c)
 
+    def _alive(self, c: _Conn) -> bool:
+        """Is this waiting peer still there?  Asked at grant time: its end-of-file may be queued
+        behind the event that freed the slot, in this very turn."""
+        if c.closing:
+            return False
+        try:
+            if c.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return True
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            pass
+        self._doom(c)
+        return False
+
     def _doom(self, c: _Conn) -> None:
         if not c.closing:
             c.closing = True
@@ -1906,7 +1948,7 @@ class Daemon:
         self.catalog = catalog
         addressing = Addressing(config, catalog)
         if startup:
-            self.scheduler = Scheduler(addressing)
+            self.scheduler = Scheduler(addressing, alive=self._alive)
         else:
             self._apply(self.scheduler.reconfigure(addressing, now=self._now))
 

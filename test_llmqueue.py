@@ -192,7 +192,8 @@ def test_cancel_drops_a_waiter_and_releases_a_holder() -> None:
     s.acquire("c1", K, "A", now=T0)
     s.acquire("c2", K, "B", now=T0)
     s.acquire("c3", K, "C", now=T0)
-    assert s.cancel(K, "B", now=T0 + 1) == []
+    events = s.cancel(K, "B", now=T0 + 1)
+    assert [(type(e), e.reason) for e in events] == [(lq.Dequeued, "cancel")]  # type: ignore[union-attr]
     assert waiters(s) == ["C"]
     events = s.cancel(K, "A", now=T0 + 2)
     assert isinstance(events[0], lq.Released) and events[0].reason == "cancel"
@@ -221,9 +222,23 @@ def test_disconnect_drops_the_connections_waiters_before_releasing_its_slots() -
     s.acquire("c1", K, "A2", now=T0 + 1)  # the same connection also waits
     s.acquire("c2", K, "B", now=T0 + 2)
     events = s.disconnect("c1", now=T0 + 3)
-    assert [type(e) for e in events] == [lq.Released, lq.Granted]
-    assert events[0].reason == "disconnect"  # type: ignore[union-attr]
+    assert [type(e) for e in events] == [lq.Dequeued, lq.Released, lq.Granted]
+    assert events[0].reason == events[1].reason == "disconnect"  # type: ignore[union-attr]
     assert granted(events) == ["B"] and waiters(s) == []
+
+
+def test_a_waiter_whose_connection_is_gone_is_never_granted() -> None:
+    """Liveness is checked at grant time: a waiter whose every asker has gone is dropped (a
+    dequeue, reason disconnect) and the slot goes to the next waiter."""
+    dead = {"c2"}
+    s = lq.Scheduler(alive=lambda conn: conn not in dead)
+    s.acquire("c1", K, "A", now=T0)
+    s.acquire("c2", K, "B", now=T0 + 1)
+    s.acquire("c3", K, "C", now=T0 + 2)
+    events = s.release(K, "A", now=T0 + 3)
+    assert [type(e) for e in events] == [lq.Released, lq.Dequeued, lq.Granted]
+    assert events[1].reason == "disconnect" and granted(events) == ["C"]  # type: ignore[union-attr]
+    assert s.disconnect("c2", now=T0 + 4) == []  # nothing of it is left to clean up
 
 
 def test_a_lease_lives_while_any_connection_that_acquired_it_lives() -> None:

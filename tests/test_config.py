@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import pytest
 
 import llmqueue as lq
-from tests.harness import MODULE, DaemonProc, Peer, short_tmpdir, wait_for
+from tests.harness import MODULE, DaemonProc, Peer, short_tmpdir, started, wait_for
 
 U1 = "http://127.0.0.1:8001/v1"
 U2 = "http://127.0.0.1:8002/v1"
@@ -1008,3 +1008,22 @@ def test_check_config_also_shows_where_each_models_json_provider_lands(tmp_path:
     assert _resolution_line(providers, "llama", "gpu"), r.stdout
     assert _resolution_line(providers, "strata", "strata-own"), r.stdout
     assert _resolution_line(providers, "other", U3), r.stdout
+
+
+def test_log_a_waiter_that_leaves_without_a_grant_is_a_dequeue_with_its_reason() -> None:
+    """Additive to the spec's vocabulary: a waiter that cancels, or whose connection closes,
+    leaves a ``dequeue`` line (reason cancel / disconnect), so a replay of the log can tell a
+    waiter that left from one that was lost."""
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log}}):
+        holder, w1, w2 = d.peer(), d.peer(), d.peer()
+        holder.ask({"op": "acquire", "queueKey": U1, "sessionKey": "H"})
+        w1.send({"op": "acquire", "queueKey": U1, "sessionKey": "W1", "role": "child"})
+        w2.send({"op": "acquire", "queueKey": U1, "sessionKey": "W2"})
+        wait_for(lambda: d.waiting(U1) == ["W1", "W2"])
+        w1.send({"op": "cancel", "queueKey": U1, "sessionKey": "W1"})
+        w2.close()
+        wait_for(lambda: d.waiting(U1) == [])
+        lines = wait_for(lambda: [l for l in log_lines(log) if l["event"] == "dequeue"] or None)
+        assert [(l["sessionKey"], l["role"], l["reason"], l["queueKey"]) for l in lines] == [
+            ("W1", "child", "cancel", U1), ("W2", "parent", "disconnect", U1)]
