@@ -52,6 +52,7 @@ __all__ = [
     "Evicted",
     "Granted",
     "Holder",
+    "Proxy",
     "Lease",
     "LeaseTerms",
     "LLMQueueError",
@@ -2726,10 +2727,296 @@ class _Request:
 
 
 # =================================================================================================
+# The proxy
+#
+# ``llmqueue proxy`` brings the queue to any OpenAI-compatible client (curl, the ``openai``
+# package, an editor with a base-URL setting): a loopback HTTP/1.1 reverse proxy in front of the
+# model server that holds a slot for each request's session while the response streams.  It is a
+# client process, so threads are fine here: one per connection, one shared Client.
+# =================================================================================================
+
+DEFAULT_PROXY_PORT = 8787  # the documented default: http://127.0.0.1:8787
+# RFC 9110 7.6.1: connection-specific fields are never forwarded.  ``expect`` is answered here
+# (the body is read before the slot is taken), and ``host`` is the upstream's own.
+_HOP_BY_HOP = frozenset((
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "expect", "host",
+))
+SESSION_HEADER = "X-LLMQueue-Session"
+ROLE_HEADER = "X-LLMQueue-Role"
+
+
+def _split_session_path(path: str) -> tuple[Optional[str], Optional[str], str]:
+    """``/s/SESSION/ROLE/rest?q`` -> (SESSION, ROLE, ``/rest?q``); other paths are unchanged.
+    For clients that can only set a base URL: ``http://127.0.0.1:8787/s/main/parent/v1``."""
+    if not path.startswith("/s/"):
+        return None, None, path
+    parts = path.split("/", 4)  # "", "s", SESSION, ROLE, rest
+    if len(parts) < 4 or not parts[2] or not parts[3]:
+        return None, None, path
+    role = parts[3].split("?", 1)[0]
+    rest = parts[4] if len(parts) > 4 else ""
+    if "?" in parts[3]:
+        rest = "?" + parts[3].split("?", 1)[1]
+    import urllib.parse
+
+    return urllib.parse.unquote(parts[2]), role, "/" + rest
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class _ProxySession:
+    """A queue Session plus how many of its requests are in flight."""
+
+    def __init__(self, session: Session, own: bool) -> None:
+        self.session = session
+        self.own = own  # a request that named no session is a session of its own
+        self.inflight = 0
+        self.starting = threading.Lock()
+
+
+class Proxy:
+    """The reverse proxy: forwards every request to ``upstream`` unchanged (less hop-by-hop
+    headers), streaming the response back as it arrives, while the request's session holds a
+    slot of ``queue_key``.  A session keeps the slot across its consecutive requests and lets it
+    go ``grace_ms`` after its last response ends; a hang-up or an upstream failure lets it go at
+    once."""
+
+    def __init__(self, upstream: str, *, client: Client, listen: tuple[str, int] = ("127.0.0.1", DEFAULT_PROXY_PORT),
+                 queue_key: Optional[str] = None, role: str = "parent", grace_ms: int = GRACE_MS,
+                 allow_remote: bool = False, log: Optional[Callable[[str], None]] = None) -> None:
+        import urllib.parse
+        from http.server import ThreadingHTTPServer
+
+        parsed = urllib.parse.urlsplit(upstream)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"--upstream must be an http(s) URL (got {upstream!r})")
+        if not allow_remote and not _is_loopback(listen[0]):
+            raise ValueError(f"refusing to listen on {listen[0]}, which is not a loopback address "
+                             "(pass --allow-remote to expose the proxy)")
+        if role not in ROLES:
+            raise ValueError(f"role must be parent or child (got {role!r})")
+        self.upstream = upstream
+        self._target = parsed
+        self.queue_key = queue_key or upstream
+        self.role = role
+        self.grace_ms = grace_ms
+        self.client = client
+        self.log = log or (lambda message: None)
+        self._sessions: dict[str, _ProxySession] = {}
+        self._lock = threading.Lock()
+        handler = _make_proxy_handler(self)
+        self.server = ThreadingHTTPServer(listen, handler)
+        self.server.daemon_threads = True
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        host = host.decode() if isinstance(host, bytes) else str(host)
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Serve until ``shutdown()`` (from another thread), which waits up to ``poll_interval``."""
+        self.server.serve_forever(poll_interval=poll_interval)
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+        for ps in sessions:
+            ps.session.close()
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def begin(self, session_key: Optional[str], role: str) -> _ProxySession:
+        """Hold the slot for a request of ``session_key`` (a fresh session when None)."""
+        import uuid
+
+        own = session_key is None
+        key = session_key or f"proxy-{uuid.uuid4()}"
+        with self._lock:
+            ps = self._sessions.get(key)
+            if ps is None:
+                ps = self._sessions[key] = _ProxySession(
+                    self.client.session(self.queue_key, key, role, grace_ms=self.grace_ms), own)
+            ps.inflight += 1
+        try:
+            with ps.starting:  # concurrent requests of one session share one acquire
+                ps.session.start()
+        except BaseException:
+            self.end(key, ok=False)
+            raise
+        return ps
+
+    def end(self, key: str, *, ok: bool) -> None:
+        """A request of ``key`` is over: the session settles (grace) after its last request, or
+        lets go at once after a failure or when it was a session of its own."""
+        with self._lock:
+            ps = self._sessions.get(key)
+            if ps is None:
+                return
+            ps.inflight -= 1
+            last = ps.inflight <= 0
+            if last and ps.own:
+                del self._sessions[key]
+        if not last:
+            return
+        if ps.own:
+            ps.session.close()
+        elif ok:
+            ps.session.settle()
+        else:
+            ps.session.abort()  # cancel: released at once
+
+
+def _make_proxy_handler(proxy: Proxy) -> Any:
+    import http.client
+    from http.server import BaseHTTPRequestHandler
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = f"llmqueue-proxy/{__version__}"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            proxy.log(f"{self.address_string()} {format % args}")
+
+        def _error(self, status: int, kind: str, message: str) -> None:
+            body = json.dumps({"error": {"message": message, "type": kind, "upstream": proxy.upstream}}).encode()
+            self.send_response_only(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _read_body(self) -> bytes:
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                body = bytearray()
+                while True:
+                    size = int(self.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
+                    if size == 0:
+                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                            pass  # trailers
+                        return bytes(body)
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+            length = int(self.headers.get("Content-Length") or 0)
+            return self.rfile.read(length) if length > 0 else b""
+
+        def _forward(self) -> None:
+            session, role, path = _split_session_path(self.path)
+            session = self.headers.get(SESSION_HEADER) or session
+            role = self.headers.get(ROLE_HEADER) or role or proxy.role
+            if role not in ROLES:
+                self._error(400, "llmqueue_bad_role", f"role must be parent or child (got {role!r})")
+                return
+            try:
+                body = self._read_body()
+            except ValueError:
+                self._error(400, "llmqueue_bad_request", "unreadable request body")
+                self.close_connection = True
+                return
+            try:
+                ps = proxy.begin(session, role)
+            except DaemonUnavailable as e:
+                self._error(503, "llmqueue_unavailable", f"the llmqueue daemon is unavailable: {e}")
+                return
+            key = ps.session.session_key
+            ok = False
+            try:
+                ok = self._relay(path, body)
+            finally:
+                proxy.end(key, ok=ok)
+
+        def _relay(self, path: str, body: bytes) -> bool:
+            """Forward one request and stream its response back; True when it completed well."""
+            target = proxy._target
+            cls = http.client.HTTPSConnection if target.scheme == "https" else http.client.HTTPConnection
+            upstream = cls(target.hostname or "", target.port, timeout=30)
+            headers = {k: v for k, v in self.headers.items()
+                       if k.lower() not in _HOP_BY_HOP and not k.lower().startswith("x-llmqueue-")}
+            for name in (self.headers.get("Connection") or "").split(","):
+                headers.pop(name.strip(), None)  # fields the Connection header names are hop-by-hop too
+            headers["Host"] = target.netloc
+            if body or self.command in ("POST", "PUT", "PATCH"):
+                headers["Content-Length"] = str(len(body))
+            try:
+                upstream.request(self.command, target.path.rstrip("/") + path, body=body or None, headers=headers)
+                if upstream.sock is not None:
+                    upstream.sock.settimeout(None)  # a stream may pause for as long as it likes
+                response = upstream.getresponse()
+            except (OSError, http.client.HTTPException) as e:
+                upstream.close()
+                self._error(502, "llmqueue_upstream_unreachable",
+                            f"upstream {proxy.upstream} is unreachable: {e}")
+                return False
+            try:
+                return self._stream(response) and response.status < 400
+            except OSError:  # the client hung up mid-stream: close the upstream request too
+                self.close_connection = True
+                return False
+            finally:
+                upstream.close()
+
+        def _stream(self, response: http.client.HTTPResponse) -> bool:
+            self.send_response_only(response.status, response.reason)
+            for k, v in response.getheaders():
+                if k.lower() not in _HOP_BY_HOP and k.lower() != "content-length":
+                    self.send_header(k, v)
+            no_body = self.command == "HEAD" or response.status in (204, 304) or 100 <= response.status < 200
+            length = response.getheader("Content-Length")
+            chunked = False
+            if no_body:
+                if length is not None:
+                    self.send_header("Content-Length", length)
+            elif length is not None and response.getheader("Transfer-Encoding") is None:
+                self.send_header("Content-Length", length)
+            elif self.request_version == "HTTP/1.1":
+                self.send_header("Transfer-Encoding", "chunked")
+                chunked = True
+            else:
+                self.close_connection = True
+            self.end_headers()
+            self.wfile.flush()
+            if no_body:
+                return True
+            while True:
+                try:
+                    data = response.read1(65536)
+                except (OSError, http.client.HTTPException):
+                    self.close_connection = True
+                    return False  # the upstream broke off mid-stream
+                if not data:
+                    break
+                if chunked:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                else:
+                    self.wfile.write(data)
+                self.wfile.flush()
+            if chunked:
+                self.wfile.write(b"0\r\n\r\n")
+            return True
+
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _forward
+
+    return Handler
+
+
+# =================================================================================================
 # The command line
 #
 # ``python llmqueue.py [daemon options]`` runs the daemon in the foreground (``daemon`` may be
-# named).  Subcommands for people: ``status``, ``run`` and ``check-config``.
+# named).  Subcommands for people: ``status``, ``run``, ``proxy`` and ``check-config``.
 # =================================================================================================
 
 
@@ -2982,11 +3269,62 @@ def _cmd_check_config(argv: list[str]) -> int:
     return 1
 
 
+def _listen_arg(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (got {text!r})") from None
+    return (host.strip("[]") or "127.0.0.1"), number
+
+
+def _cmd_proxy(argv: list[str]) -> int:
+    parser = _paths_parser("llmqueue proxy",
+                           "Queue any OpenAI-compatible client: a loopback reverse proxy that holds a slot "
+                           "for each request's session while it streams.")
+    parser.add_argument("--upstream", required=True, help="the model server's base URL, e.g. http://127.0.0.1:8080")
+    parser.add_argument("--listen", type=_listen_arg, default=("127.0.0.1", DEFAULT_PROXY_PORT),
+                        help=f"HOST:PORT to listen on (default: 127.0.0.1:{DEFAULT_PROXY_PORT})")
+    parser.add_argument("--queue", help="the queueKey (default: the upstream URL)")
+    parser.add_argument("--role", choices=ROLES, default="parent",
+                        help="the tier of requests that name none (default: parent)")
+    parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --listen address")
+    parser.add_argument("--fail-closed", action="store_true",
+                        help="answer 503 instead of forwarding unqueued when no daemon can be had")
+    parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
+    args = parser.parse_args(argv)
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    client = Client(args.agent_dir, socket_path=args.socket,
+                    fail_open=False if args.fail_closed else None, on_warning=say)
+    try:
+        proxy = Proxy(args.upstream, client=client, listen=args.listen, queue_key=args.queue, role=args.role,
+                      allow_remote=args.allow_remote, log=say if args.verbose else None)
+    except (ValueError, OSError) as e:
+        say(f"llmqueue proxy: {e}")
+        client.close()
+        return 2
+    done = threading.Event()
+    for name in ("SIGTERM", "SIGINT", "SIGHUP"):
+        signal.signal(getattr(signal, name), lambda signum, frame: done.set())
+    server = threading.Thread(target=proxy.serve_forever, name="llmqueue-proxy", daemon=True)
+    server.start()
+    say(f"llmqueue proxy: {proxy.url} -> {args.upstream} (queue {proxy.queue_key})")
+    while not done.wait(1.0):
+        pass
+    proxy.shutdown()
+    client.close()
+    return 0
+
+
 _COMMANDS: Dict[str, Callable[[List[str]], int]] = {
     "daemon": _cmd_daemon,
     "status": _cmd_status,
     "check-config": _cmd_check_config,
     "run": _cmd_run,
+    "proxy": _cmd_proxy,
 }
 
 

@@ -9,79 +9,19 @@ mid-stream gives its slot back (its socket closes) well within its TTL.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
 from tests.harness import MODULE, DaemonProc, started, wait_for
+from tests.stub import StubEndpoint
 
 AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e_agent.py")
-
-
-class StubEndpoint:
-    """A slow streaming /v1/chat/completions that records (who, start, end) per request.  A
-    request from a ``slow-*`` user keeps streaming until ``let_slow_finish()``."""
-
-    def __init__(self, chunks: int = 6, gap: float = 0.03) -> None:
-        self.records: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        self.slow_done = threading.Event()
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                who = body.get("user", "?")
-                slow = who.startswith("slow")
-                rec = {"who": who, "start": time.monotonic(), "end": None}
-                with stub.lock:
-                    stub.records.append(rec)
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                try:
-                    i = 0
-                    while i < chunks or (slow and not stub.slow_done.is_set() and i < 2000):
-                        i += 1
-                        chunk = {"choices": [{"delta": {"content": f"tok{i} "}}]}
-                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                        self.wfile.flush()
-                        time.sleep(gap)
-                    self.wfile.write(b"data: [DONE]\n\n")
-                    self.wfile.flush()
-                except OSError:
-                    rec["broken"] = True
-                rec["end"] = time.monotonic()
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def let_slow_finish(self) -> None:
-        self.slow_done.set()
-
-    def started(self, who: str) -> bool:
-        with self.lock:
-            return any(r["who"] == who for r in self.records)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
