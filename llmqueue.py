@@ -762,7 +762,7 @@ class _Queue:
 
     __slots__ = (
         "key", "policy", "holders", "waiting", "heaps", "dead", "switches", "grants", "seq",
-        "parent_grants", "child_mark", "idle",
+        "parent_grants", "child_mark", "idle", "queued", "idle_yields", "evictions",
     )
 
     def __init__(self, key: str, policy: QueuePolicy) -> None:
@@ -778,6 +778,9 @@ class _Queue:
         self.parent_grants = 0  # parent grants ever; a child's slot-aging counts from its mark
         self.child_mark = 0  # parent_grants at the last child grant: "in a row" restarts there
         self.idle: OrderedDict[Holder, None] = OrderedDict()  # holders idle past their window
+        self.queued = 0  # counters for status: acquires that had to wait, idle yields, TTL evictions
+        self.idle_yields = 0
+        self.evictions = 0
 
     def has_room(self) -> bool:
         limit = self.policy.max_streams
@@ -968,6 +971,7 @@ class Scheduler:
                 self._push(heap, holder.expires_at, holder)
                 continue
             q = holder.queue
+            q.evictions += 1
             self._drop_lease(holder, Evicted(q.key, holder), events)
             self._fill(q, now, events)
         heap = self._idle_heap
@@ -984,6 +988,7 @@ class Scheduler:
         for q in sorted(self._idle_due, key=lambda q: q.key):
             while q.waiting and q.idle:
                 holder = next(iter(q.idle))
+                q.idle_yields += 1
                 self._drop_lease(holder, Released(q.key, holder, "idle"), events)
                 self._fill(q, now, events)
         self._idle_due.clear()
@@ -1055,22 +1060,34 @@ class Scheduler:
 
     # -- reading ----------------------------------------------------------------------------------
 
-    def status(self) -> list[dict[str, Any]]:
-        """Every queue as ``status`` reports it: holders in grant order, waiters in enqueue order."""
+    def status(self, now: Optional[float] = None) -> list[dict[str, Any]]:
+        """Every queue as ``status`` reports it: holders in grant order, waiters in enqueue order,
+        and (additive) counters: grants, queued, idle yields, TTL evictions, and -- given ``now``
+        -- the current longest wait per tier in ms."""
         def who(x: Union[Holder, Waiter]) -> dict[str, Any]:
             return {"sessionKey": x.session, "role": ROLES[x.role], "group": x.group}
 
-        return [
-            {
+        out = []
+        for q in self._queues.values():
+            entry: dict[str, Any] = {
                 "queueKey": q.key,
                 "maxStreams": q.policy.max_streams,
                 "switches": q.switches,
                 "holders": [who(l) for l in q.holders.values()],
                 "waiting": [who(w) for w in q.waiting.values()],
                 "grants": q.grants,
+                "queued": q.queued,
+                "idleYields": q.idle_yields,
+                "ttlEvictions": q.evictions,
             }
-            for q in self._queues.values()
-        ]
+            if now is not None:
+                oldest = [q.head(tier) for tier in (PARENT, CHILD)]
+                entry["longestWaitMs"] = {
+                    ROLES[tier]: (round(now - w.enqueued_at) if w is not None else 0)
+                    for tier, w in enumerate(oldest)
+                }
+            out.append(entry)
+        return out
 
     def holders(self, key: str) -> list[Holder]:
         q = self._find(key)
@@ -1125,6 +1142,7 @@ class Scheduler:
                     self._push(self._idle_heap, idle_at, holder)
 
     def _enqueue(self, q: _Queue, w: Waiter) -> None:
+        q.queued += 1
         q.waiting[w.session] = w
         q.push(w)
         self._session_waiters.setdefault(w.session, set()).add(w)
@@ -1732,7 +1750,7 @@ class Daemon:
             assert req.role is not None
             self._apply(sched.set_role(session, req.role, now=now))
         elif op == "status":
-            self._send(c, _line({"op": "status", "queues": sched.status()}))
+            self._send(c, _line({"op": "status", "queues": sched.status(now)}))
         elif op == "bye":  # spec (#63): disconnected now, though the socket stays open
             self._apply(sched.disconnect(c, now=now))
             self._uncount(c)
@@ -3013,10 +3031,404 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
 
 
 # =================================================================================================
+# Reading the event log
+#
+# ``llmqueue report`` turns the daemon's event log into figures per queue and a timeline
+# picture.  Reading is forgiving: a torn last line, lines that are not JSON, and events it does
+# not know are skipped; rotated files given together are merged in time order.  The figures and
+# the picture come from the same replay.
+# =================================================================================================
+
+
+class Hold(NamedTuple):
+    """One session's time in a slot, as the log tells it."""
+
+    session: str
+    role: str
+    start: float  # epoch seconds
+    end: float
+    how: str  # release reason, "ttl" for an eviction, or "open" (still held when the log ends)
+    switch: bool  # granted from the waiting list (a switch)
+
+
+class Wait(NamedTuple):
+    session: str
+    role: str
+    start: float
+    end: float
+    granted: bool  # False: it left without a grant (cancel, disconnect) or still waits
+
+
+_MINUTE_CACHE: dict[str, float] = {}
+
+
+def _epoch(ts: Any) -> Optional[float]:
+    """``2026-11-29T15:44:01.123Z`` as epoch seconds; None when it is not such a timestamp.
+    Hand-parsed with the minute cached: a report reads 100,000 of these in a blink."""
+    if not isinstance(ts, str) or len(ts) < 19 or ts[10] != "T":
+        return None
+    minute = _MINUTE_CACHE.get(ts[:16])
+    try:
+        if minute is None:
+            import calendar
+
+            minute = float(calendar.timegm((int(ts[:4]), int(ts[5:7]), int(ts[8:10]),
+                                            int(ts[11:13]), int(ts[14:16]), 0)))
+            if len(_MINUTE_CACHE) > 100_000:
+                _MINUTE_CACHE.clear()
+            _MINUTE_CACHE[ts[:16]] = minute
+        return minute + float(ts[17:-1] if ts[-1] == "Z" else ts[17:])
+    except ValueError:
+        return None
+
+
+def _log_records(text: str) -> list[Any]:
+    """The JSON values of a log's lines.  One parse of the whole file when every line is whole;
+    line by line, skipping the torn or garbled ones, when not."""
+    lines = [line for line in text.split("\n") if line.strip()]
+    try:
+        records = json.loads("[" + ",".join(lines) + "]")
+        if isinstance(records, list) and len(records) == len(lines):
+            return records
+    except (ValueError, RecursionError):
+        pass
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except (ValueError, RecursionError):
+            continue  # a torn line (the last one of a live log) or garbage
+    return out
+
+
+def read_event_log(paths: List[str]) -> list[dict[str, Any]]:
+    """Every usable event of the given log files, in time order, each with ``t`` (epoch s)."""
+    events: list[dict[str, Any]] = []
+    for path in paths:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+        epoch, keep = _epoch, events.append
+        for event in _log_records(text):
+            try:
+                t = epoch(event["ts"])
+                if t is None or event["event"].__class__ is not str or event["queueKey"].__class__ is not str:
+                    continue
+            except (TypeError, KeyError, AttributeError):
+                continue  # not an object, or not an event of ours
+            event["t"] = t
+            keep(event)
+    events.sort(key=lambda e: e["t"])  # stable: same-ts events keep their file order
+    return events
+
+
+def _percentile(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, int(-(-p * len(ordered) // 100)) - 1))  # nearest rank
+    return ordered[rank]
+
+
+def _parse_when(text: str, end: float) -> float:
+    """``--since``/``--until``: an ISO-8601 UTC time, or a duration before the log's end (``90m``)."""
+    from datetime import datetime, timezone
+
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if text and text[-1] in units and text[:-1].replace(".", "", 1).isdigit():
+        return end - float(text[:-1]) * units[text[-1]]
+    try:
+        when = datetime.fromisoformat(text[:-1] if text.endswith("Z") else text)
+    except ValueError:
+        raise ValueError(f"not an ISO-8601 time or a duration like 90m: {text!r}") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
+
+
+def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per queue: its holds, waits and point events (switches, idle yields, evictions,
+    over-capacity reloads), replayed from the log."""
+    queues: dict[str, dict[str, Any]] = {}
+    end = events[-1]["t"] if events else 0.0
+    for e in events:
+        key = e["queueKey"]
+        q = queues.get(key)
+        if q is None:
+            q = queues[key] = {"holds": [], "waits": [], "open": {}, "waiting": {}, "switches": [],
+                               "idle": [], "evictions": [], "config": [], "grants": [], "sessions": {}}
+        kind, session, role, t = e["event"], e.get("sessionKey"), e.get("role") or "parent", e["t"]
+        if session is not None and kind in ("grant", "queued"):
+            q["sessions"].setdefault(session, None)  # lanes in order of first appearance
+        if kind == "queued" and session is not None:
+            q["waiting"][session] = (t, role)
+        elif kind == "dequeue" and session is not None and session in q["waiting"]:
+            start, was = q["waiting"].pop(session)
+            q["waits"].append(Wait(session, was, start, t, False))
+        elif kind == "grant" and session is not None:
+            q["grants"].append(t)
+            queued = q["waiting"].pop(session, None)
+            if queued is not None:
+                q["waits"].append(Wait(session, role, queued[0], t, True))
+            q["open"][session] = (t, role, queued is not None)
+        elif kind == "switch":
+            q["switches"].append((t, session))
+        elif kind in ("release", "evict") and session is not None:
+            reason = e.get("reason") or kind
+            if kind == "release" and reason == "idle":
+                q["idle"].append(t)
+            if kind == "evict":
+                q["evictions"].append(t)
+            held = q["open"].pop(session, None)
+            if held is not None:
+                q["holds"].append(Hold(session, held[1], held[0], t, reason, held[2]))
+        elif kind == "config":
+            q["config"].append(t)
+        # any other event: unknown to this version, skipped
+    for q in queues.values():
+        for session, (start, role, switch) in q.pop("open").items():
+            q["holds"].append(Hold(session, role, start, end, "open", switch))
+        for session, (start, role) in q.pop("waiting").items():
+            q["waits"].append(Wait(session, role, start, end, False))
+        q["holds"].sort(key=lambda h: h.start)
+    return queues
+
+
+def build_report(events: list[dict[str, Any]], since: Optional[float] = None, until: Optional[float] = None,
+                 queue: Optional[str] = None) -> dict[str, Any]:
+    """The figures of ``llmqueue report``: per queue, grants, switches (and per hour), time held
+    per tier and per session, waits per tier (p50/p95/max), idle yields, TTL evictions,
+    over-capacity reloads, and utilisation (share of the window with a slot held)."""
+    if not events:
+        return {"since": None, "until": None, "queues": {}}
+    start = since if since is not None else events[0]["t"]
+    stop = until if until is not None else events[-1]["t"]
+    span = max(stop - start, 1e-9)
+    out: dict[str, Any] = {"since": _iso_utc(start), "until": _iso_utc(stop), "queues": {}}
+    import bisect
+
+    def count(times: list[float]) -> int:  # times are in log order, which is time order
+        return bisect.bisect_right(times, stop) - bisect.bisect_left(times, start)
+
+    for key, q in replay(events).items():
+        if queue is not None and key != queue:
+            continue
+
+        def inside(t: float) -> bool:
+            return start <= t <= stop
+
+        held_tier = {role: 0.0 for role in ROLES}
+        held_session: dict[str, float] = {}
+        edges: list[tuple[float, int]] = []
+        for h in q["holds"]:
+            a, b = max(h.start, start), min(h.end, stop)
+            if b <= a:
+                continue
+            held_tier[h.role] = held_tier.get(h.role, 0.0) + (b - a)
+            held_session[h.session] = held_session.get(h.session, 0.0) + (b - a)
+            edges += [(a, 1), (b, -1)]
+        busy = 0.0
+        depth = 0
+        last = start
+        for t, step in sorted(edges):
+            if depth > 0:
+                busy += t - last
+            depth += step
+            last = t
+        waits: dict[str, dict[str, Any]] = {}
+        for role in ROLES:
+            done = [(w.end - w.start) * 1000 for w in q["waits"] if w.role == role and w.granted and inside(w.end)]
+            waits[role] = {"count": len(done), "p50Ms": round(_percentile(done, 50)),
+                           "p95Ms": round(_percentile(done, 95)), "maxMs": round(max(done, default=0.0))}
+        switches = count([t for t, _ in q["switches"]])
+        out["queues"][key] = {
+            "grants": count(q["grants"]),
+            "switches": switches,
+            "switchesPerHour": round(switches / span * 3600, 2),
+            "heldMs": {role: round(v * 1000) for role, v in held_tier.items()},
+            "heldMsBySession": {s: round(v * 1000) for s, v in
+                                sorted(held_session.items(), key=lambda kv: -kv[1])},
+            "waits": waits,
+            "abandonedWaits": sum(1 for w in q["waits"] if not w.granted and w.end < stop and inside(w.end)),
+            "idleYields": count(q["idle"]),
+            "ttlEvictions": count(q["evictions"]),
+            "overCapacityReloads": count(q["config"]),
+            "utilisation": round(busy / span, 4),
+            "meanHolders": round(sum(held_tier.values()) / span, 3),
+        }
+    return out
+
+
+def _duration(ms: float) -> str:
+    s = ms / 1000.0
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    if not report["queues"]:
+        return "no queue events in the log\n"
+    out = [f"window {report['since']} .. {report['until']}"]
+    for key, r in report["queues"].items():
+        out.append("")
+        out.append(f"queue {key}")
+        out.append(f"  grants {r['grants']}  switches {r['switches']} ({r['switchesPerHour']}/h)  "
+                   f"idle-yields {r['idleYields']}  ttl-evictions {r['ttlEvictions']}  "
+                   f"over-capacity reloads {r['overCapacityReloads']}")
+        out.append(f"  utilisation {r['utilisation'] * 100:.1f}% of the window with a slot held, "
+                   f"{r['meanHolders']} holders on average")
+        out.append("  held: " + "  ".join(f"{role} {_duration(ms)}" for role, ms in r["heldMs"].items()))
+        for role, w in r["waits"].items():
+            out.append(f"  waits {role}: n={w['count']}  p50 {_duration(w['p50Ms'])}  "
+                       f"p95 {_duration(w['p95Ms'])}  max {_duration(w['maxMs'])}")
+        if r["abandonedWaits"]:
+            out.append(f"  waits abandoned (cancel, disconnect): {r['abandonedWaits']}")
+        top = list(r["heldMsBySession"].items())
+        shown = ", ".join(f"{s} {_duration(ms)}" for s, ms in top[:8])
+        more = f", and {len(top) - 8} more" if len(top) > 8 else ""
+        out.append(f"  held by session: {shown}{more}")
+    return "\n".join(out) + "\n"
+
+
+_SVG_COLORS = {"parent": "#2563eb", "child": "#ea580c", "wait": "#9ca3af",
+               "switch": "#111827", "idle": "#7c3aed", "ttl": "#dc2626"}
+
+
+def _ticks(start: float, stop: float, want: int = 10) -> list[float]:
+    steps = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400]
+    span = max(stop - start, 1e-3)
+    step = next((s for s in steps if span / s <= want), steps[-1] * max(1, int(span / steps[-1] / want) + 1))
+    first = (int(start // step) + 1) * step
+    return [first + i * step for i in range(int((stop - first) // step) + 1)]
+
+
+def render_svg(events: list[dict[str, Any]], since: Optional[float] = None, until: Optional[float] = None,
+               queue: Optional[str] = None, width: int = 1200, max_lanes: int = 40) -> str:
+    """A timeline: one lane per session, grouped by queue; holds as bars coloured by tier, waits
+    as thin grey lines before them, switches, idle yields and evictions as markers, a time axis
+    and a legend.  Bars closer than a pixel merge, and a queue shows at most ``max_lanes``
+    sessions (the rest share one lane), so a day of events stays legible and small."""
+    from xml.sax.saxutils import escape
+
+    queues = replay(events)
+    if queue is not None:
+        queues = {k: v for k, v in queues.items() if k == queue}
+    start = since if since is not None else (events[0]["t"] if events else 0.0)
+    stop = until if until is not None else (events[-1]["t"] if events else 1.0)
+    stop = max(stop, start + 1e-3)
+    left, right, lane_h, top = 200, 20, 16, 56
+    plot = width - left - right
+
+    def x(t: float) -> float:
+        return left + (min(max(t, start), stop) - start) / (stop - start) * plot
+
+    body: list[str] = []
+    y = top
+    for key, q in queues.items():
+        body.append(f'<text class="queue" x="4" y="{y + 12}">{escape(key)}</text>')
+        y += lane_h + 2
+        sessions = list(q["sessions"])
+        lanes = sessions[:max_lanes]
+        lane_of = {s: i for i, s in enumerate(lanes)}
+        overflow = len(sessions) - len(lanes)
+        names = [escape(s) for s in lanes] + ([f"(+{overflow} more sessions)"] if overflow > 0 else [])
+        for i, name in enumerate(names):
+            body.append(f'<text class="lane" x="12" y="{y + i * lane_h + 11}">{name}</text>')
+            body.append(f'<line class="grid" x1="{left}" x2="{width - right}" y1="{y + i * lane_h + lane_h - 1}" '
+                        f'y2="{y + i * lane_h + lane_h - 1}"/>')
+
+        def lane_y(session: str) -> int:
+            return y + lane_h * lane_of.get(session, len(lanes))
+
+        for w in q["waits"]:
+            if w.end < start or w.start > stop:
+                continue
+            ly = lane_y(w.session) + lane_h // 2
+            body.append(f'<line class="wait" x1="{x(w.start):.1f}" x2="{x(w.end):.1f}" y1="{ly}" y2="{ly}"/>')
+        merged: dict[tuple[int, str], list[Any]] = {}
+        bars: list[list[Any]] = []
+        for h in q["holds"]:
+            if h.end < start or h.start > stop:
+                continue
+            a, b = x(h.start), x(h.end)
+            slot = (lane_y(h.session), h.role)
+            bar = merged.get(slot)
+            if bar is not None and a - bar[2] < 1.0:  # closer than a pixel: one bar
+                bar[2] = max(bar[2], b)
+                bar[3] += 1
+                continue
+            bar = [slot, a, b, 1, h]
+            merged[slot] = bar
+            bars.append(bar)
+        for (ly, role), a, b, count, h in bars:
+            label = f"{h.session} {role}" + (f": {count} holds" if count > 1 else
+                                             f": {_duration((h.end - h.start) * 1000)}, ended by {h.how}")
+            body.append(f'<rect class="hold {role}" x="{a:.1f}" y="{ly + 2}" width="{max(b - a, 1.0):.1f}" '
+                        f'height="{lane_h - 5}"><title>{escape(label)}</title></rect>')
+        for t, session in q["switches"]:
+            if start <= t <= stop and session is not None:
+                body.append(f'<path class="mark switch" transform="translate({x(t):.1f},{lane_y(session) + lane_h // 2})" '
+                            f'd="M0,-5 L4,0 L0,5 L-4,0 Z"><title>switch to {escape(session)}</title></path>')
+        for h in q["holds"]:
+            if not start <= h.end <= stop:
+                continue
+            ly = lane_y(h.session) + lane_h // 2
+            if h.how == "idle":
+                body.append(f'<circle class="mark idle" cx="{x(h.end):.1f}" cy="{ly}" r="3.5">'
+                            f'<title>{escape(h.session)} yielded (idle)</title></circle>')
+            elif h.how == "ttl":
+                body.append(f'<path class="mark ttl" transform="translate({x(h.end):.1f},{ly})" '
+                            f'd="M-4,-4 L4,4 M-4,4 L4,-4"><title>{escape(h.session)} evicted (TTL)</title></path>')
+        y += lane_h * len(names) + 10
+    height = y + 30
+    axis = [f'<line class="axis" x1="{left}" x2="{width - right}" y1="{height - 26}" y2="{height - 26}"/>']
+    fmt = "%H:%M:%S" if stop - start < 6 * 3600 else "%d %H:%M"
+    for t in _ticks(start, stop):
+        axis.append(f'<line class="grid" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top - 6}" y2="{height - 26}"/>')
+        axis.append(f'<text class="tick" x="{x(t):.1f}" y="{height - 12}">{time.strftime(fmt, time.gmtime(t))}</text>')
+    legend = []
+    lx = left
+    for label, cls, shape in (("parent holds", "hold parent", "rect"), ("child holds", "hold child", "rect"),
+                              ("waiting", "wait", "line"), ("switch", "mark switch", "diamond"),
+                              ("idle yield", "mark idle", "circle"), ("TTL eviction", "mark ttl", "cross")):
+        if shape == "rect":
+            legend.append(f'<rect class="{cls}" x="{lx}" y="14" width="14" height="10"/>')
+        elif shape == "line":
+            legend.append(f'<line class="{cls}" x1="{lx}" x2="{lx + 14}" y1="19" y2="19"/>')
+        elif shape == "diamond":
+            legend.append(f'<path class="{cls}" transform="translate({lx + 7},19)" d="M0,-5 L4,0 L0,5 L-4,0 Z"/>')
+        elif shape == "circle":
+            legend.append(f'<circle class="{cls}" cx="{lx + 7}" cy="19" r="3.5"/>')
+        else:
+            legend.append(f'<path class="{cls}" transform="translate({lx + 7},19)" d="M-4,-4 L4,4 M-4,4 L4,-4"/>')
+        legend.append(f'<text class="legend" x="{lx + 18}" y="23">{label}</text>')
+        lx += 30 + 7 * len(label)
+    title = f"llmqueue timeline, {_iso_utc(start)} .. {_iso_utc(stop)} (UTC)"
+    style = (
+        "text{font-family:system-ui,sans-serif;font-size:11px;fill:#111827}"
+        ".queue{font-weight:600;font-size:12px}.lane{fill:#374151}.tick{text-anchor:middle;fill:#6b7280}"
+        ".title{font-size:13px;font-weight:600}.grid{stroke:#e5e7eb;stroke-width:1}.axis{stroke:#6b7280}"
+        f".parent{{fill:{_SVG_COLORS['parent']}}}.child{{fill:{_SVG_COLORS['child']}}}"
+        f".wait{{stroke:{_SVG_COLORS['wait']};stroke-width:2}}.switch{{fill:{_SVG_COLORS['switch']}}}"
+        f".idle{{fill:{_SVG_COLORS['idle']}}}.ttl{{stroke:{_SVG_COLORS['ttl']};stroke-width:2;fill:none}}"
+    )
+    return "\n".join([
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}">',
+        f"<style>{style}</style>",
+        f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
+        f'<text class="title" x="{left}" y="44">{escape(title)}</text>',
+        *legend, *axis, *body, "</svg>", "",
+    ])
+
+
+# =================================================================================================
 # The command line
 #
 # ``python llmqueue.py [daemon options]`` runs the daemon in the foreground (``daemon`` may be
-# named).  Subcommands for people: ``status``, ``run``, ``proxy`` and ``check-config``.
+# named).  Subcommands for people: ``status``, ``run``, ``proxy``, ``report`` and ``check-config``.
 # =================================================================================================
 
 
@@ -3120,6 +3532,12 @@ def format_status(queues: list[dict[str, Any]]) -> str:
         depth = {role: sum(1 for w in waiting if w.get("role") == role) for role in ROLES}
         out.append(f"{q.get('queueKey')}  {slots}  waiting: {depth['parent']} parent, "
                    f"{depth['child']} child  switches: {q.get('switches', 0)}")
+        if "grants" in q:  # counters: absent from an older daemon's reply
+            waits = q.get("longestWaitMs") or {}
+            longest = ", ".join(f"{role} {waits.get(role, 0) / 1000:.1f} s" for role in ROLES)
+            out.append(f"  grants {q.get('grants', 0)}  queued {q.get('queued', 0)}  "
+                       f"idle-yields {q.get('idleYields', 0)}  ttl-evictions {q.get('ttlEvictions', 0)}  "
+                       f"longest wait: {longest}")
         for label, people in (("holds", holders), ("waits", waiting)):
             for p in people:
                 group = f" [{p['group']}]" if p.get("group") else ""
@@ -3127,9 +3545,53 @@ def format_status(queues: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _prom_label(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def format_prometheus(queues: list[dict[str, Any]]) -> str:
+    """``status`` in the Prometheus text exposition format (version 0.0.4), for node_exporter's
+    textfile collector or a scrape wrapper."""
+    metrics: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
+        ("llmqueue_grants_total", "counter", "Slots granted.", []),
+        ("llmqueue_switches_total", "counter", "Grants of a waiting session (likely KV-cache re-prefills).", []),
+        ("llmqueue_queued_total", "counter", "Acquires that had to wait.", []),
+        ("llmqueue_idle_yields_total", "counter", "Slots taken from idle holders for a waiter.", []),
+        ("llmqueue_ttl_evictions_total", "counter", "Slots reclaimed from dead clients (TTL lapsed).", []),
+        ("llmqueue_holders", "gauge", "Sessions holding a slot.", []),
+        ("llmqueue_max_streams", "gauge", "Slots of the queue (absent for passthrough queues).", []),
+        ("llmqueue_waiting", "gauge", "Sessions waiting, per tier.", []),
+        ("llmqueue_longest_wait_seconds", "gauge", "How long the oldest waiter of each tier has waited.", []),
+    ]
+    rows = {name: samples for name, _, _, samples in metrics}
+    for q in queues:
+        label = f'queue="{_prom_label(q.get("queueKey"))}"'
+        for name, field in (("llmqueue_grants_total", "grants"), ("llmqueue_switches_total", "switches"),
+                            ("llmqueue_queued_total", "queued"), ("llmqueue_idle_yields_total", "idleYields"),
+                            ("llmqueue_ttl_evictions_total", "ttlEvictions")):
+            rows[name].append((label, q.get(field, 0)))
+        rows["llmqueue_holders"].append((label, len(q.get("holders") or [])))
+        if q.get("maxStreams") is not None:
+            rows["llmqueue_max_streams"].append((label, q["maxStreams"]))
+        waits = q.get("longestWaitMs") or {}
+        for role in ROLES:
+            tier = f'{label},role="{role}"'
+            rows["llmqueue_waiting"].append(
+                (tier, sum(1 for w in q.get("waiting") or [] if w.get("role") == role)))
+            rows["llmqueue_longest_wait_seconds"].append((tier, waits.get(role, 0) / 1000.0))
+    out = []
+    for name, kind, help_text, samples in metrics:
+        out.append(f"# HELP {name} {help_text}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(f"{name}{{{labels}}} {value}" for labels, value in samples)
+    return "\n".join(out) + "\n"
+
+
 def _cmd_status(argv: list[str]) -> int:
     parser = _paths_parser("llmqueue status", "Show every queue, its holders and its waiters.")
     parser.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
+    parser.add_argument("--format", choices=("table", "json", "prometheus"), default="table",
+                        help="table (default), json (the daemon's reply) or prometheus (text exposition)")
     parser.add_argument("--watch", type=float, metavar="SECONDS",
                         help="redraw every SECONDS until Ctrl-C")
     args = parser.parse_args(argv)
@@ -3141,7 +3603,13 @@ def _cmd_status(argv: list[str]) -> int:
             except (OSError, ValueError) as e:
                 print(f"llmqueue: no daemon is running on {path} ({e})", file=sys.stderr)
                 return 1
-            text = json.dumps(reply) + "\n" if args.json else format_status(reply.get("queues") or [])
+            queues = reply.get("queues") or []
+            if args.json or args.format == "json":
+                text = json.dumps(reply) + "\n"
+            elif args.format == "prometheus":
+                text = format_prometheus(queues)
+            else:
+                text = format_status(queues)
             if args.watch is None:
                 sys.stdout.write(text)
                 return 0
@@ -3319,12 +3787,39 @@ def _cmd_proxy(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="llmqueue report",
+                                     description="Figures per queue, and a timeline picture, from the event log.")
+    parser.add_argument("logfile", nargs="+", help="the event log (rotated files may be given together)")
+    parser.add_argument("--since", help="start of the window: an ISO-8601 UTC time, or a duration before the log's end (90m, 2h)")
+    parser.add_argument("--until", help="end of the window, the same way")
+    parser.add_argument("--queue", help="only this queue (its key as the log names it)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--svg", metavar="FILE", help="also write a timeline picture (SVG) to FILE")
+    args = parser.parse_args(argv)
+    try:
+        events = read_event_log(args.logfile)
+        end = events[-1]["t"] if events else time.time()
+        since = _parse_when(args.since, end) if args.since else None
+        until = _parse_when(args.until, end) if args.until else None
+    except (OSError, ValueError) as e:
+        print(f"llmqueue report: {e}", file=sys.stderr)
+        return 1
+    report = build_report(events, since, until, args.queue)
+    sys.stdout.write(json.dumps(report, indent=2) + "\n" if args.json else format_report(report))
+    if args.svg:
+        with open(args.svg, "w", encoding="utf-8") as f:
+            f.write(render_svg(events, since, until, args.queue))
+    return 0
+
+
 _COMMANDS: Dict[str, Callable[[List[str]], int]] = {
     "daemon": _cmd_daemon,
     "status": _cmd_status,
     "check-config": _cmd_check_config,
     "run": _cmd_run,
     "proxy": _cmd_proxy,
+    "report": _cmd_report,
 }
 
 
