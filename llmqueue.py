@@ -514,6 +514,10 @@ class Addressing:
         for url, entry in providers_by_url:  # a baseUrl key wins over a provider-name key
             self._endpoint_entry.setdefault(url, entry)
 
+    def configured(self, owner: str) -> bool:
+        """Does the config name the queue ``owner`` (a group, or an entry for the endpoint)?"""
+        return owner in self._groups or owner in self._endpoint_entry or owner in self._named_entry
+
     def address_endpoint(self, key: str) -> tuple[str, QueuePolicy]:
         """The queue that owns ``key`` (as a raw client names it) and that queue's policy."""
         hit = self._cache.get(key)
@@ -633,6 +637,10 @@ class LeaseTerms(NamedTuple):
 Conn = Any  # an opaque, hashable connection identity chosen by the caller
 Target = Tuple[Any, str]  # (connection, the queueKey that connection asked with)
 
+# Empty queues that no config entry names are forgotten (oldest first, with their counters) once
+# there are more queues than this: queue keys are chosen by peers, so they must not pile up.
+MAX_QUEUES = 1024
+
 
 class Holder:
     """A Holder: a session's lease on one slot -- who holds it, on which terms, and since when.
@@ -652,7 +660,7 @@ class Holder:
         self.activity = activity
         self.terms = terms
         self.seq = seq  # per-queue grant sequence number: a fencing token for history checks
-        self.key = key  # the queueKey it was first asked with; re-addressed on reload
+        self.key = key  # the queueKey it was granted for; re-addressed on reload
         self.granted_at = now
         self.last_beat = now
         self.last_activity = now
@@ -671,11 +679,12 @@ class Holder:
         return self.last_activity + self.terms.idle_yield_ms
 
     def __repr__(self) -> str:
-        return f"<Lease {self.queue.key} {self.session} {ROLES[self.role]} seq={self.seq}>"
+        return f"<Holder {self.queue.key} {self.session} {ROLES[self.role]} seq={self.seq}>"
 
 
 class Waiter:
-    """A queued ``acquire``: a session waiting for a slot, with every (connection, key) to answer."""
+    """A queued ``acquire``: a session waiting for a slot, with every (connection, key) that
+    asked for it -- each is answered, with its own key, when the slot comes."""
 
     __slots__ = (
         "queue", "session", "role", "group", "activity", "seq", "key",
@@ -693,8 +702,8 @@ class Waiter:
         self.key = key
         self.enqueued_at = now
         self.parent_mark = queue.parent_grants  # parent grants seen at enqueue, for slot aging
-        self.targets: list[Target] = []
-        self.version = 0  # bumped on re-tier: heap entries of older versions are dead
+        self.targets: dict[Target, None] = {}  # ordered, and O(1) to test
+        self.version = 0  # bumped on re-tier and on a move: heap entries of older versions are dead
         self.live = True
 
     def __repr__(self) -> str:
@@ -758,17 +767,20 @@ Event = Union[Granted, Queued, Dequeued, Released, Evicted, OverCapacity]
 
 class _Queue:
     """One slot set: its holders in grant order, its waiters in enqueue order, and per tier a
-    heap of waiters for the pick."""
+    heap of waiters for the pick.  ``extra`` holds the rare second lease of a session already in
+    ``holders``: a reload that merges two queues a session held in keeps both of its streams."""
 
     __slots__ = (
-        "key", "policy", "holders", "waiting", "heaps", "dead", "switches", "grants", "seq",
-        "parent_grants", "child_mark", "idle", "queued", "idle_yields", "evictions",
+        "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
+        "grants", "seq", "parent_grants", "child_mark", "idle", "queued", "idle_yields", "evictions",
     )
 
-    def __init__(self, key: str, policy: QueuePolicy) -> None:
+    def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
         self.key = key
         self.policy = policy
+        self.configured = configured  # named by the config: never forgotten while empty
         self.holders: dict[str, Holder] = {}
+        self.extra: list[Holder] = []
         self.waiting: dict[str, Waiter] = {}
         self.heaps: tuple[list[tuple[int, int, Waiter]], list[tuple[int, int, Waiter]]] = ([], [])
         self.dead = [0, 0]  # dead entries per heap, for compaction
@@ -782,9 +794,32 @@ class _Queue:
         self.idle_yields = 0
         self.evictions = 0
 
+    def held(self) -> int:
+        return len(self.holders) + len(self.extra)
+
     def has_room(self) -> bool:
         limit = self.policy.max_streams
-        return limit is None or len(self.holders) < limit
+        return limit is None or self.held() < limit
+
+    def empty(self) -> bool:
+        return not self.holders and not self.extra and not self.waiting
+
+    def all_holders(self) -> list[Holder]:
+        return list(self.holders.values()) + self.extra
+
+    def holder_for(self, key: str, session: str) -> Optional[Holder]:
+        """The session's lease here; of two (after a merge), the one granted for ``key``."""
+        holder = self.holders.get(session)
+        if holder is not None and self.extra:
+            for other in self.extra:
+                if other.session == session and other.key == key:
+                    return other
+        return holder
+
+    def reset(self) -> None:
+        self.holders, self.extra, self.waiting = {}, [], {}
+        self.heaps, self.dead = ([], []), [0, 0]
+        self.idle = OrderedDict()
 
     def push(self, w: Waiter) -> None:
         heapq.heappush(self.heaps[w.role], (w.seq, w.version, w))
@@ -794,21 +829,24 @@ class _Queue:
         heap = self.heaps[tier]
         while heap:
             _, version, w = heap[0]
-            if w.live and w.version == version and w.role == tier and w.queue is self:
+            if self._current(tier, version, w):
                 return w
             heapq.heappop(heap)
             self.dead[tier] -= 1
         return None
 
+    def _current(self, tier: int, version: int, w: Waiter) -> bool:
+        return w.live and w.version == version and w.role == tier and w.queue is self
+
     def bury(self, tier: int) -> None:
-        """One heap entry of ``tier`` went dead; compact when the dead outnumber the living."""
+        """One heap entry of ``tier`` went dead (call after the waiter changed); compact when
+        the dead outnumber the living."""
         self.dead[tier] += 1
         heap = self.heaps[tier]
         if self.dead[tier] > 64 and self.dead[tier] * 2 > len(heap):
-            live = [e for e in heap if e[2].live and e[2].version == e[1] and e[2].role == tier
-                    and e[2].queue is self]
+            live = [e for e in heap if self._current(tier, e[1], e[2])]
             heapq.heapify(live)
-            self.heaps[tier][:] = live
+            heap[:] = live
             self.dead[tier] = 0
 
 
@@ -817,19 +855,21 @@ class Scheduler:
 
     The caller owns I/O and the clock: it passes ``now`` (monotonic ms) into every call and
     applies the returned events.  ``next_deadline()`` says when ``sweep`` next has work.
+    ``alive(conn)`` is asked at grant time whether a waiting connection is still there.
     """
 
     def __init__(self, addressing: Optional[Addressing] = None,
                  alive: Optional[Callable[[Any], bool]] = None) -> None:
         self.addressing = addressing or Addressing()
-        # Asked at grant time whether a waiting connection is still there: a waiter whose
-        # connection already closed is never granted (the caller knows sockets; we do not).
+        # A waiter whose connection already closed is never granted (the caller knows sockets).
         self.alive: Callable[[Any], bool] = alive or (lambda conn: True)
         self._queues: dict[str, _Queue] = {}
+        self._forgettable: OrderedDict[str, None] = OrderedDict()  # empty, unconfigured queues
         self._seq = 0  # waiter enqueue order, scheduler-wide
         self._conn_leases: dict[Any, set[Holder]] = {}
         self._conn_waiters: dict[Any, set[Waiter]] = {}
         self._session_waiters: dict[str, set[Waiter]] = {}
+        self._held = 0  # live holders, to keep the lazy heaps compact
         self._ttl_heap: list[tuple[float, int, Holder]] = []
         self._idle_heap: list[tuple[float, int, Holder]] = []
         self._idle_due: set[_Queue] = set()  # queues with idle holders that just got a waiter
@@ -841,7 +881,9 @@ class Scheduler:
         owner, policy = self.addressing.address_endpoint(key)
         q = self._queues.get(owner)
         if q is None:
-            q = self._queues[owner] = _Queue(owner, policy)
+            q = self._queues[owner] = _Queue(owner, policy, self.addressing.configured(owner))
+        elif self._forgettable:
+            self._forgettable.pop(owner, None)
         return q
 
     def _find(self, key: str) -> Optional[_Queue]:
@@ -856,7 +898,7 @@ class Scheduler:
         holds is re-granted without a second slot; one already waiting is not queued twice."""
         tier = ROLES.index(role)
         q = self._queue_for(key)
-        holder = q.holders.get(session)
+        holder = q.holder_for(key, session)
         if holder is not None:
             self._attach(holder, conn)
             self._refresh(holder, now, activity=True)
@@ -864,7 +906,7 @@ class Scheduler:
         w = q.waiting.get(session)
         if w is not None:
             if (conn, key) not in w.targets:
-                w.targets.append((conn, key))
+                w.targets[(conn, key)] = None
                 self._conn_waiters.setdefault(conn, set()).add(w)
             return []
         if q.has_room():
@@ -873,20 +915,21 @@ class Scheduler:
             return [Granted(q.key, holder, ((conn, key),))]
         self._seq += 1
         w = Waiter(q, session, tier, group, activity, self._seq, key, now)
+        w.targets[(conn, key)] = None
+        q.queued += 1
         self._enqueue(q, w)
-        w.targets.append((conn, key))
-        self._conn_waiters.setdefault(conn, set()).add(w)
         return [Queued(q.key, w)]
 
     def release(self, key: str, session: str, *, now: float, reason: str = "release") -> list[Event]:
         """The session's slot returns to its queue (a no-op when it holds none)."""
         q = self._find(key)
-        holder = q.holders.get(session) if q else None
+        holder = q.holder_for(key, session) if q else None
         if q is None or holder is None:
             return []
         events: list[Event] = []
         self._drop_lease(holder, Released(q.key, holder, reason), events)
         self._fill(q, now, events)
+        self._settle(q)
         return events
 
     def cancel(self, key: str, session: str, *, now: float) -> list[Event]:
@@ -899,6 +942,7 @@ class Scheduler:
         if w is not None:
             self._drop_waiter(w)
             events.append(Dequeued(q.key, w, "cancel"))
+            self._settle(q)
         return events + self.release(key, session, now=now, reason="cancel")
 
     def set_role(self, session: str, role: str, *, now: float) -> list[Event]:
@@ -907,9 +951,9 @@ class Scheduler:
         tier = ROLES.index(role)
         for w in list(self._session_waiters.get(session, ())):
             if w.role != tier:
-                w.queue.bury(w.role)
-                w.role = tier
+                old, w.role = w.role, tier
                 w.version += 1
+                w.queue.bury(old)
                 w.queue.push(w)
         return []
 
@@ -924,7 +968,7 @@ class Scheduler:
         """A keyed activity beat: refresh that lease's TTL and activity.  False means the session
         holds no slot there (released, yielded, evicted): the client must re-queue."""
         q = self._find(key)
-        holder = q.holders.get(session) if q else None
+        holder = q.holder_for(key, session) if q else None
         if holder is None:
             return False
         self._refresh(holder, now, activity=True)
@@ -933,12 +977,14 @@ class Scheduler:
     def disconnect(self, conn: Conn, *, now: float, reason: str = "disconnect") -> list[Event]:
         """The connection is gone: drop what it queued, then release what it held."""
         events: list[Event] = []
+        touched: list[_Queue] = []
         for w in self._conn_waiters.pop(conn, ()):
-            w.targets = [t for t in w.targets if t[0] != conn]
+            for target in [t for t in w.targets if t[0] == conn]:
+                del w.targets[target]
             if not w.targets and w.live:
                 self._drop_waiter(w)
                 events.append(Dequeued(w.queue.key, w, "disconnect"))
-        touched: list[_Queue] = []
+                touched.append(w.queue)
         for holder in self._conn_leases.pop(conn, ()):
             holder.conns.discard(conn)
             if not holder.conns and holder.held:
@@ -946,6 +992,8 @@ class Scheduler:
                 self._drop_lease(holder, Released(holder.queue.key, holder, reason), events)
         for q in touched:
             self._fill(q, now, events)
+        for q in touched:
+            self._settle(q)
         return events
 
     # -- the sweep --------------------------------------------------------------------------------
@@ -962,6 +1010,7 @@ class Scheduler:
         yield, gated: an activity-flagged holder silent past its window loses the slot, but only
         to a waiter.  Cost follows what is due, not how many leases exist."""
         events: list[Event] = []
+        touched: list[_Queue] = []
         heap = self._ttl_heap
         while heap and heap[0][0] <= now:
             _, _, holder = heapq.heappop(heap)
@@ -974,6 +1023,7 @@ class Scheduler:
             q.evictions += 1
             self._drop_lease(holder, Evicted(q.key, holder), events)
             self._fill(q, now, events)
+            touched.append(q)
         heap = self._idle_heap
         while heap and heap[0][0] <= now:
             _, _, holder = heapq.heappop(heap)
@@ -991,71 +1041,84 @@ class Scheduler:
                 q.idle_yields += 1
                 self._drop_lease(holder, Released(q.key, holder, "idle"), events)
                 self._fill(q, now, events)
+            touched.append(q)
         self._idle_due.clear()
+        for q in touched:
+            self._settle(q)
         return events
 
     # -- reload -----------------------------------------------------------------------------------
 
     def reconfigure(self, addressing: Addressing, *, now: float) -> list[Event]:
-        """Apply a reloaded config: re-address every holder and waiter through the new groups,
-        so they move with their queue, re-apply policy, grant into widened queues, and report
-        every queue left over capacity.  No holder loses its slot."""
+        """Apply a reloaded config: re-address every holder and every waiting request through
+        the new groups, so they move with their queue, re-apply policy, grant into widened
+        queues, and report every queue left over capacity.  No holder loses its slot, and each
+        asker of a waiting request stays queued where its own key now leads."""
         self.addressing = addressing
         old = self._queues
-        leases = sorted((l for q in old.values() for l in q.holders.values()),
-                        key=lambda l: (l.granted_at, l.seq))
+        holders = sorted((h for q in old.values() for h in q.all_holders()), key=lambda h: (h.granted_at, h.seq))
         waiters = sorted((w for q in old.values() for w in q.waiting.values()), key=lambda w: w.seq)
         self._queues = {}
+        self._forgettable.clear()
         for q in old.values():  # a queue that keeps its key keeps its counters
             owner, policy = addressing.address_endpoint(q.key)
             if owner == q.key:
                 q.policy = policy
-                q.holders, q.waiting, q.heaps, q.dead = {}, {}, ([], []), [0, 0]
-                q.idle = OrderedDict()
+                q.configured = addressing.configured(owner)
+                q.reset()
                 self._queues[q.key] = q
         self._idle_due.clear()
         events: list[Event] = []
-        for holder in leases:
-            q = self._queue_for(holder.key)
-            same = q.holders.get(holder.session)
-            if same is not None:  # the same session held in two queues that merged
-                self._merge_lease(same, holder)
-                continue
-            holder.queue = q
-            holder.terms = holder.terms.grown(q.policy.lease_ttl_ms)  # a longer TTL applies at once
-            q.holders[holder.session] = holder
-            q.seq = max(q.seq, holder.seq)
-            if holder.idle_at is not None:
-                self._push(self._idle_heap, holder.idle_at, holder)
+        for h in holders:
+            q = self._queue_for(h.key)
+            h.queue = q
+            h.terms = h.terms.grown(q.policy.lease_ttl_ms)  # a longer TTL applies at once
+            if h.session in q.holders:
+                q.extra.append(h)  # the same session held in two queues that merged: both stay
+            else:
+                q.holders[h.session] = h
+            q.seq = max(q.seq, h.seq)
+            if h.idle_at is not None:
+                self._push(self._idle_heap, h.idle_at, h)
         for w in waiters:
-            q = self._queue_for(w.key)
-            holding = q.holders.get(w.session)
-            if holding is not None:  # it waits where it now holds: answer it, switch-free
-                for conn, _ in w.targets:
-                    self._attach(holding, conn)
-                self._drop_waiter(w)
-                events.append(Dequeued(q.key, w, "merged"))
-                events.append(Granted(q.key, holding, tuple(w.targets), new=False))
-                continue
-            other = q.waiting.get(w.session)
-            if other is not None:
-                for t in w.targets:
-                    if t not in other.targets:
-                        other.targets.append(t)
-                        self._conn_waiters.setdefault(t[0], set()).add(other)
-                self._drop_waiter(w)
-                events.append(Dequeued(q.key, w, "merged"))
-                continue
-            w.queue = q
-            w.parent_mark = q.parent_grants
-            w.version += 1
-            q.waiting[w.session] = w
-            q.push(w)
-        for q in self._queues.values():
+            self._unlink_waiter(w)
+            groups: dict[_Queue, list[Target]] = {}
+            for target in w.targets:
+                groups.setdefault(self._queue_for(target[1]), []).append(target)
+            for i, (q, targets) in enumerate(groups.items()):
+                mine = w if i == 0 else Waiter(q, w.session, w.role, w.group, w.activity, w.seq, targets[0][1],
+                                               w.enqueued_at)
+                mine.targets = dict.fromkeys(targets)
+                mine.key = targets[0][1]
+                holding = q.holders.get(w.session)
+                waiting = q.waiting.get(w.session)
+                if holding is not None:  # it waits where it now holds: answer it, switch-free
+                    mine.live = False
+                    for conn, _ in targets:
+                        self._attach(holding, conn)
+                    events.append(Dequeued(q.key, mine, "merged"))
+                    events.append(Granted(q.key, holding, tuple(targets), new=False))
+                elif waiting is not None:  # it already waits there: one request, every asker
+                    mine.live = False
+                    for target in targets:
+                        waiting.targets.setdefault(target, None)
+                        self._conn_waiters.setdefault(target[0], set()).add(waiting)
+                    events.append(Dequeued(q.key, mine, "merged"))
+                else:
+                    if mine.queue is not q:
+                        mine.parent_mark = q.parent_grants  # slot aging restarts in a new queue
+                    mine.queue = q
+                    mine.version += 1
+                    q.waiting[w.session] = mine
+                    q.push(mine)
+                    self._link_waiter(mine)
+        for q in list(self._queues.values()):
             self._fill(q, now, events)
             limit = q.policy.max_streams
-            if limit is not None and len(q.holders) > limit:
-                events.append(OverCapacity(q.key, len(q.holders), limit))
+            if limit is not None and q.held() > limit:
+                events.append(OverCapacity(q.key, q.held(), limit))
+            self._settle(q)
+        self._compact()
         return events
 
     # -- reading ----------------------------------------------------------------------------------
@@ -1073,7 +1136,7 @@ class Scheduler:
                 "queueKey": q.key,
                 "maxStreams": q.policy.max_streams,
                 "switches": q.switches,
-                "holders": [who(l) for l in q.holders.values()],
+                "holders": [who(h) for h in q.all_holders()],
                 "waiting": [who(w) for w in q.waiting.values()],
                 "grants": q.grants,
                 "queued": q.queued,
@@ -1091,7 +1154,7 @@ class Scheduler:
 
     def holders(self, key: str) -> list[Holder]:
         q = self._find(key)
-        return list(q.holders.values()) if q else []
+        return q.all_holders() if q else []
 
     def waiters(self, key: str) -> list[Waiter]:
         q = self._find(key)
@@ -1108,6 +1171,20 @@ class Scheduler:
     def _push(self, heap: list[tuple[float, int, Holder]], when: float, holder: Holder) -> None:
         self._tick += 1
         heapq.heappush(heap, (when, self._tick, holder))
+        if len(heap) > 2 * self._held + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild both lazy heaps from the live holders: stale entries (released holders,
+        refreshed deadlines, duplicates) never outnumber the living for long."""
+        holders = [h for q in self._queues.values() for h in q.all_holders()]
+        self._held = len(holders)
+        # In place: a sweep in progress holds these very lists.
+        self._ttl_heap[:] = [(h.expires_at, i, h) for i, h in enumerate(holders)]
+        self._idle_heap[:] = [(h.idle_at, i, h) for i, h in enumerate(holders)
+                              if h.idle_at is not None and h not in h.queue.idle]
+        heapq.heapify(self._ttl_heap)
+        heapq.heapify(self._idle_heap)
 
     def _grant(self, q: _Queue, session: str, tier: int, group: Optional[str], activity: bool,
                key: str, now: float) -> Holder:
@@ -1119,6 +1196,7 @@ class Scheduler:
             q.child_mark = q.parent_grants
         holder = Holder(q, session, tier, group, activity, LeaseTerms.of(q.policy), q.seq, key, now)
         q.holders[session] = holder
+        self._held += 1
         self._push(self._ttl_heap, holder.expires_at, holder)
         idle_at = holder.idle_at
         if idle_at is not None:
@@ -1142,19 +1220,18 @@ class Scheduler:
                     self._push(self._idle_heap, idle_at, holder)
 
     def _enqueue(self, q: _Queue, w: Waiter) -> None:
-        q.queued += 1
         q.waiting[w.session] = w
         q.push(w)
-        self._session_waiters.setdefault(w.session, set()).add(w)
+        self._link_waiter(w)
         if q.idle:
             self._idle_due.add(q)
 
-    def _drop_waiter(self, w: Waiter) -> None:
-        w.live = False
-        q = w.queue
-        if q.waiting.get(w.session) is w:
-            del q.waiting[w.session]
-            q.bury(w.role)
+    def _link_waiter(self, w: Waiter) -> None:
+        self._session_waiters.setdefault(w.session, set()).add(w)
+        for conn, _ in w.targets:
+            self._conn_waiters.setdefault(conn, set()).add(w)
+
+    def _unlink_waiter(self, w: Waiter) -> None:
         peers = self._session_waiters.get(w.session)
         if peers is not None:
             peers.discard(w)
@@ -1167,11 +1244,26 @@ class Scheduler:
                 if not mine:
                     del self._conn_waiters[conn]
 
+    def _drop_waiter(self, w: Waiter) -> None:
+        w.live = False
+        q = w.queue
+        if q.waiting.get(w.session) is w:
+            del q.waiting[w.session]
+            q.bury(w.role)
+        self._unlink_waiter(w)
+
     def _drop_lease(self, holder: Holder, event: Event, events: list[Event]) -> None:
         holder.held = False
+        self._held -= 1
         q = holder.queue
         if q.holders.get(holder.session) is holder:
             del q.holders[holder.session]
+            for i, other in enumerate(q.extra):  # a merged twin takes its place
+                if other.session == holder.session:
+                    q.holders[holder.session] = q.extra.pop(i)
+                    break
+        elif holder in q.extra:
+            q.extra.remove(holder)
         q.idle.pop(holder, None)
         for conn in holder.conns:
             mine = self._conn_leases.get(conn)
@@ -1179,16 +1271,21 @@ class Scheduler:
                 mine.discard(holder)
                 if not mine:
                     del self._conn_leases[conn]
+        holder.conns = set()
         events.append(event)
 
-    def _merge_lease(self, keep: Holder, gone: Holder) -> None:
-        gone.held = False
-        for conn in list(gone.conns):
-            self._conn_leases.get(conn, set()).discard(gone)
-            self._attach(keep, conn)
-        keep.last_beat = max(keep.last_beat, gone.last_beat)
-        keep.last_activity = max(keep.last_activity, gone.last_activity)
-        keep.terms = LeaseTerms(max(keep.terms.ttl_ms, gone.terms.ttl_ms), keep.terms.idle_yield_ms)
+    def _settle(self, q: _Queue) -> None:
+        """An emptied queue that no config names may be forgotten once too many pile up."""
+        if not q.empty() or q.configured:
+            return
+        self._forgettable[q.key] = None
+        self._forgettable.move_to_end(q.key)
+        while len(self._queues) > MAX_QUEUES and self._forgettable:
+            key, _ = self._forgettable.popitem(last=False)
+            gone = self._queues.get(key)
+            if gone is not None and gone.empty() and not gone.configured:
+                del self._queues[key]
+                self._idle_due.discard(gone)
 
     def _pick(self, q: _Queue, now: float) -> Optional[Waiter]:
         parent, child = q.head(PARENT), q.head(CHILD)
@@ -1211,12 +1308,13 @@ class Scheduler:
             w = self._pick(q, now)
             if w is None:  # pragma: no cover - waiting and the heaps always agree
                 raise AssertionError(f"{q.key}: waiters without heap entries")
-            targets = tuple(t for t in w.targets if self.alive(t[0]))
+            alive = {conn: self.alive(conn) for conn in {t[0] for t in w.targets}}
+            targets = tuple(t for t in w.targets if alive[t[0]])
             self._drop_waiter(w)
             if not targets:  # everyone who asked has gone: never grant a dead waiter
                 events.append(Dequeued(q.key, w, "disconnect"))
                 continue
-            holder = self._grant(q, w.session, w.role, w.group, w.activity, w.key, now)
+            holder = self._grant(q, w.session, w.role, w.group, w.activity, targets[0][1], now)
             for conn, _ in targets:
                 self._attach(holder, conn)
             q.switches += 1

@@ -873,3 +873,186 @@ def test_readme_and_ci_run_the_same_test_command() -> None:
     command = "python3 -m pip install -e '.[test]' && python3 -m pytest"
     assert command in readme
     assert command in ci
+
+
+# -- the scheduler: reloads that merge and split ----------------------------------------------------
+
+A, B = "http://gpu:8001/v1", "http://gpu:8002/v1"
+CONFIGS = [
+    {},
+    {"queues": {"g": {"match": [A, B], "maxStreams": 1}}},
+    {"queues": {"g": {"match": [A], "maxStreams": 1}}},
+    {"queues": {"g": {"match": [A, B], "maxStreams": 2}}, "defaults": {"maxStreams": 2}},
+    {"defaults": {"maxStreams": 2}},
+]
+KEYS = [A, A + "/", B, "g"]
+
+
+def addressing(i: int) -> lq.Addressing:
+    cfg, errors, _ = lq.validate_config(CONFIGS[i])
+    assert not errors
+    return lq.Addressing(cfg)
+
+
+reload_ops = st.one_of(
+    st.tuples(st.just("acquire"), st.sampled_from(CONNS), st.sampled_from(KEYS), st.sampled_from(SESSIONS[:3]),
+              st.sampled_from(lq.ROLES)),
+    st.tuples(st.just("release"), st.sampled_from(KEYS), st.sampled_from(SESSIONS[:3])),
+    st.tuples(st.just("cancel"), st.sampled_from(KEYS), st.sampled_from(SESSIONS[:3])),
+    st.tuples(st.just("disconnect"), st.sampled_from(CONNS)),
+    st.tuples(st.just("reload"), st.integers(0, len(CONFIGS) - 1)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(reload_ops, max_size=50))
+def test_property_reloads_never_lose_a_lease_or_an_asker(ops: list[tuple[Any, ...]]) -> None:
+    check_reloads(ops)
+
+
+@pytest.mark.slow
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(reload_ops, max_size=60))
+def test_property_reloads_never_lose_a_lease_or_an_asker_long_campaign(ops: list[tuple[Any, ...]]) -> None:
+    check_reloads(ops)
+
+
+def check_reloads(ops: list[tuple[Any, ...]]) -> None:
+    """Random requests interleaved with reloads that merge, split and widen queues: every lease
+    the scheduler holds is one a Granted event created and no Released/Evicted event ended;
+    every asker of a queued request is answered, dequeued, or still waits -- in the queue its
+    own key now leads to; over capacity only ever drains; a free slot never has a waiter."""
+    s = lq.Scheduler(addressing(0))
+    leases: set[int] = set()  # ids of live Holder objects, from events alone
+    askers: set[tuple[str, str, str]] = set()  # (conn, key, session) waiting for an answer
+    cap: dict[str, int] = {}
+    now = T0
+    for op in ops:
+        now += 1
+        if op[0] == "acquire":
+            _, conn, key, session, role = op
+            events = s.acquire(conn, key, session, role, now=now)
+            if any(isinstance(e, lq.Queued) for e in events) or (
+                    not events and any(w.session == session for w in s.waiters(key))):
+                askers.add((conn, key, session))
+        elif op[0] == "release":
+            events = s.release(op[1], op[2], now=now)
+        elif op[0] == "cancel":
+            events = s.cancel(op[1], op[2], now=now)
+        elif op[0] == "disconnect":
+            events = s.disconnect(op[1], now=now)
+        else:
+            events = s.reconfigure(addressing(op[1]), now=now)
+        for e in events:
+            if isinstance(e, lq.Granted):
+                if e.new:
+                    assert id(e.holder) not in leases
+                    leases.add(id(e.holder))
+                for conn, key in e.targets:
+                    askers.discard((conn, key, e.holder.session))
+            elif isinstance(e, (lq.Released, lq.Evicted)):
+                leases.remove(id(e.holder))
+            elif isinstance(e, lq.Dequeued) and e.reason != "merged":
+                for conn, key in e.waiter.targets:
+                    askers.discard((conn, key, e.waiter.session))
+        if op[0] == "cancel":
+            askers = {a for a in askers if not (a[2] == op[2] and s.addressing.address_endpoint(a[1])[0]
+                                               == s.addressing.address_endpoint(op[1])[0])}
+        if op[0] == "disconnect":
+            askers = {a for a in askers if a[0] != op[1]}
+        held = {id(h) for key in s.queue_keys() for h in s._queues[key].all_holders()}
+        assert held == leases
+        waiting = set()
+        for qkey in s.queue_keys():
+            q = s._queues[qkey]
+            for w in q.waiting.values():
+                for conn, key in w.targets:
+                    assert s.addressing.address_endpoint(key)[0] == qkey, (key, qkey)
+                    waiting.add((conn, key, w.session))
+            limit = q.policy.max_streams
+            if limit is not None:
+                if op[0] == "reload":
+                    cap[qkey] = max(limit, q.held())
+                assert q.held() <= cap.get(qkey, limit)
+                cap[qkey] = max(limit, q.held())
+                assert not (q.waiting and q.held() < limit)
+            assert q.dead[0] >= 0 and q.dead[1] >= 0
+        assert waiting == askers
+
+
+def test_merge_then_split_keeps_both_of_a_sessions_leases_and_counts_them() -> None:
+    s = lq.Scheduler(addressing(0))
+    s.acquire("ca", A, "S", now=T0)
+    s.acquire("cb", B, "S", now=T0 + 1)  # one session streaming on both servers
+    events = s.reconfigure(addressing(1), now=T0 + 2)
+    assert lq.OverCapacity("g", 2, 1) in events  # both streams live in a one-slot group
+    assert [h.session for h in s.holders("g")] == ["S", "S"]
+    s.reconfigure(addressing(0), now=T0 + 3)
+    assert [h.session for h in s.holders(A)] == ["S"] and [h.session for h in s.holders(B)] == ["S"]
+    assert granted(s.acquire("ct", B, "T", now=T0 + 4)) == []  # B is still taken by S's stream
+
+
+def test_a_merged_request_is_answered_per_key_after_a_split() -> None:
+    s = lq.Scheduler(addressing(0))
+    s.acquire("ch", A, "U", now=T0)
+    s.acquire("cu", B, "V", now=T0)
+    s.acquire("ca", A, "S", now=T0 + 1)  # S waits on A ...
+    s.acquire("cb", B, "S", now=T0 + 2)  # ... and on B, from another connection
+    s.reconfigure(addressing(1), now=T0 + 3)  # one request in the merged group
+    assert [w.session for w in s.waiters("g")] == ["S"]
+    s.reconfigure(addressing(0), now=T0 + 4)  # split again: each asker waits where its key leads
+    assert [w.session for w in s.waiters(A)] == ["S"] and [w.session for w in s.waiters(B)] == ["S"]
+    events = s.release(A, "U", now=T0 + 5)
+    g = [e for e in events if isinstance(e, lq.Granted)]
+    assert len(g) == 1 and g[0].targets == (("ca", A),)  # connection b is not told it holds B
+    assert [w.session for w in s.waiters(B)] == ["S"]
+
+
+def test_a_reload_keeps_slot_aging_progress_of_waiters_that_did_not_move() -> None:
+    def run(reload_between: bool) -> list[str]:
+        s = one({"agingAfterSlots": 2, "agingAfterMs": 0})
+        s.acquire("h", K, "H", "parent", now=T0)
+        s.acquire("c", K, "C", "child", now=T0 + 1)
+        fill(s, [("p1", "parent"), ("p2", "parent"), ("p3", "parent")], T0 + 2)
+        order = []
+        for i in range(3):
+            holder = holders(s)[0]
+            order += granted(s.release(K, holder, now=T0 + 10 + i))
+            if reload_between:
+                cfg, _, _ = lq.validate_config({"defaults": {"agingAfterSlots": 2, "agingAfterMs": 0,
+                                                             "logFile": f"/tmp/x{i}"}})
+                s.reconfigure(lq.Addressing(cfg), now=T0 + 10 + i)
+        return order
+    assert run(True) == run(False) == ["p1", "p2", "C"]
+
+
+def test_lazy_heaps_stay_compact_under_churn() -> None:
+    s = one({"leaseTtlMs": 600_000})
+    for i in range(5000):
+        s.acquire("c", K, f"S{i}", now=T0 + i)
+        s.release(K, f"S{i}", now=T0 + i)
+    assert len(s._ttl_heap) <= 64 + 2 and len(s._idle_heap) <= 64 + 2
+
+
+def test_empty_unconfigured_queues_are_forgotten_past_a_bound_and_configured_ones_kept() -> None:
+    s = make({"queues": {"http://kept/v1": {"maxStreams": 2}}})
+    s.acquire("c", "http://kept/v1", "A", now=T0)
+    s.release("http://kept/v1", "A", now=T0)
+    for i in range(lq.MAX_QUEUES * 3):
+        key = f"http://peer-chosen/{i}"
+        s.acquire("c", key, "A", now=T0 + i)
+        s.release(key, "A", now=T0 + i)
+    assert len(s.queue_keys()) <= lq.MAX_QUEUES
+    assert "http://kept/v1" in s.queue_keys()
+
+
+def test_many_spellings_of_one_request_are_each_answered_once() -> None:
+    s = make()
+    s.acquire("c0", K, "H", now=T0)
+    spellings = [K + "/" * i for i in range(1, 200)]
+    for key in spellings + spellings:
+        s.acquire("c1", key, "S", now=T0 + 1)
+    (w,) = s.waiters(K)
+    assert list(w.targets) == [("c1", k) for k in spellings]
+    events = s.release(K, "H", now=T0 + 2)
+    assert [e.targets for e in events if isinstance(e, lq.Granted)] == [tuple(("c1", k) for k in spellings)]

@@ -526,7 +526,35 @@ def test_status_shows_slots_depth_switches_and_people(daemon: DaemonProc) -> Non
     assert out.returncode == 0
     lines = out.stdout.splitlines()
     assert lines[0] == f"{K}  1/1  waiting: 1 parent, 1 child  switches: 0"
-    assert lines[1:] == ["  holds  A parent [team]", "  waits  B child", "  waits  C parent"]
+    assert lines[1].startswith("  grants 1  queued 2  idle-yields 0  ttl-evictions 0  longest wait: parent ")
+    assert lines[2:] == ["  holds  A parent [team]", "  waits  B child", "  waits  C parent"]
+
+
+def test_status_counters_in_the_reply_and_in_prometheus_format() -> None:
+    """Additive status fields: grants, queued, idle yields, TTL evictions, and the current
+    longest wait per tier; ``--format prometheus`` prints them as text exposition."""
+    for d in started(config={"defaults": {"leaseTtlMs": 1000, "idleYieldMs": 200}}):
+        a, b, c2 = d.peer(), d.peer(), d.peer()
+        a.ask({"op": "acquire", "queueKey": K, "sessionKey": "A", "activity": True})
+        b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "child"})
+        assert b.recv(timeout=3)["sessionKey"] == "B"  # A went idle: yielded to B
+        c2.send({"op": "acquire", "queueKey": K, "sessionKey": "C"})  # B never beats: evicted
+        assert c2.recv(timeout=4)["sessionKey"] == "C"
+        waiter = d.peer()
+        waiter.send({"op": "acquire", "queueKey": K, "sessionKey": "W", "role": "child"})
+        time.sleep(0.3)
+        q = d.queue(K)
+        assert (q["grants"], q["switches"], q["queued"], q["idleYields"], q["ttlEvictions"]) == (3, 2, 3, 1, 1)
+        assert q["longestWaitMs"]["parent"] == 0 and 250 <= q["longestWaitMs"]["child"] <= 5000
+        out = run_cli("status", "--format", "prometheus", "--agent-dir", d.agent_dir)
+        assert out.returncode == 0
+        text = out.stdout
+        assert "# TYPE llmqueue_grants_total counter" in text
+        assert f'llmqueue_grants_total{{queue="{K}"}} 3' in text
+        assert f'llmqueue_idle_yields_total{{queue="{K}"}} 1' in text
+        assert f'llmqueue_ttl_evictions_total{{queue="{K}"}} 1' in text
+        assert f'llmqueue_waiting{{queue="{K}",role="child"}} 1' in text
+        assert f'llmqueue_max_streams{{queue="{K}"}} 1' in text
 
 
 def test_status_watch_redraws_in_place_until_interrupted(daemon: DaemonProc) -> None:
