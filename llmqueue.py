@@ -89,9 +89,13 @@ MAX_LINE_BYTES = 100 * 1024  # spec: framing -- a peer that sends more without a
 MAX_OUTPUT_BYTES = 8 * 1024 * 1024
 RECV_BYTES = 256 * 1024  # one recv per readable turn per peer
 ACCEPTS_PER_TURN = 64  # redis: a fixed number of accepts per turn keeps a connect storm fair
+LINES_PER_TURN = 256  # requests handled per peer per turn: a pipelining peer yields to the rest
 ACCEPT_PAUSE_MS = 100.0  # out of descriptors: stop accepting this long instead of spinning
 
 MIN_LEASE_TTL_MS = 1000  # spec: leaseTtlMs minimum
+# A shorter idle-yield window would have clients beating every few milliseconds (the beat runs at
+# half the window): 0 turns idle-yield off, anything else is at least this.
+MIN_IDLE_YIELD_MS = 100
 BEAT_FLOOR_MS = 250.0  # spec: the keyed beat runs at leaseTtlMs / 3, never faster than this
 NO_CLIENT_EXIT_FLOOR_MS = 30000  # spec: a daemon whose spawner never connects does not linger
 MAX_TIMER_MS = 2**31 - 1  # spec: the idle-exit delay is clamped to setTimeout's cap (~24.8 days)
@@ -177,7 +181,7 @@ _POLICY_FIELDS: Dict[str, Tuple[str, str]] = {
     "leaseTtlMs": ("lease_ttl_ms", "ttl"),
     "agingAfterSlots": ("aging_after_slots", "nonneg"),
     "agingAfterMs": ("aging_after_ms", "nonneg"),
-    "idleYieldMs": ("idle_yield_ms", "nonneg"),
+    "idleYieldMs": ("idle_yield_ms", "idle"),
 }
 _CLIENT_FIELDS = ("failOpen", "queueTimeoutMs", "blockingTools")
 _DAEMON_FIELDS = ("daemonIdleExitMs", "logFile")
@@ -233,6 +237,10 @@ def _check_field(path: str, rule: str, value: Any, errors: list[str]) -> bool:
     elif rule == "ttl":
         if not _is_int(value) or not MIN_LEASE_TTL_MS <= value <= MAX_CONFIG_INT:
             errors.append(f"{path} must be an integer of at least {MIN_LEASE_TTL_MS} {got}")
+            return False
+    elif rule == "idle":
+        if not _is_int(value) or not (value == 0 or MIN_IDLE_YIELD_MS <= value <= MAX_CONFIG_INT):
+            errors.append(f"{path} must be 0 (off) or an integer of at least {MIN_IDLE_YIELD_MS} {got}")
             return False
     elif rule == "policy":
         if value not in POLICIES:
@@ -383,6 +391,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _parse_int(digits: str) -> Any:
+    """JSON integers, without Python's 4300-digit conversion limit failing the whole document:
+    a number that long is kept as a float, so an unknown field holding one is still ignored and
+    a known field holding one is refused by name."""
+    return int(digits) if len(digits) <= 4000 else float(digits)
+
+
 def load_config(path: str) -> ConfigLoad:
     """Read and validate the config file at ``path`` (file I/O; validation stays pure)."""
     try:
@@ -395,7 +410,7 @@ def load_config(path: str) -> ConfigLoad:
     except OSError as e:
         return ConfigLoad("unreadable", Config(), (f"{path}: {e.strerror or e}",))
     try:
-        raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_int=_parse_int)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return ConfigLoad("torn", Config(), (f"{path}: not valid JSON ({e})",))
     config, errors, warnings = validate_config(raw)
@@ -404,23 +419,34 @@ def load_config(path: str) -> ConfigLoad:
 
 def load_catalog(path: Optional[str]) -> dict[str, str]:
     """pi's models.json as ``{provider name: baseUrl}``; a missing or broken file is empty."""
+    return read_catalog(path)[1]
+
+
+def read_catalog(path: Optional[str]) -> tuple[str, dict[str, str]]:
+    """models.json with how it read: ``ok``, ``missing``, ``torn`` (not valid JSON, e.g. half
+    written) or ``unreadable``.  On a reload only ``ok`` and ``missing`` replace the catalog in
+    use: a torn file must not split an endpoint's queue in two for a moment."""
     if not path:
-        return {}
+        return "missing", {}
     try:
         with open(path, "rb") as f:
             raw = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return {}
+    except FileNotFoundError:
+        return "missing", {}
+    except OSError:
+        return "unreadable", {}
+    except (ValueError, RecursionError):
+        return "torn", {}
     providers = raw.get("providers") if isinstance(raw, dict) else None
     if not isinstance(providers, dict):
-        return {}
+        return "ok", {}
     catalog: dict[str, str] = {}
     for name, provider in providers.items():
         if isinstance(provider, dict):
             url = provider.get("baseUrl")
             if isinstance(url, str) and url:
                 catalog[name] = url
-    return catalog
+    return "ok", catalog
 
 
 # =================================================================================================
@@ -1364,7 +1390,7 @@ def parse_request(line: Union[bytes, str]) -> Request:
     except UnicodeDecodeError:
         raise ProtocolError("invalid UTF-8") from None
     try:
-        msg = json.loads(text, parse_constant=_reject_constant)
+        msg = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int)
     except RecursionError:
         raise ProtocolError("invalid JSON: nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, and ints past the digit limit
@@ -1476,7 +1502,7 @@ def _peer_uid(sock: socket.socket) -> Optional[int]:
 class _Conn:
     """One client connection: its buffers and whether it counts toward idle-exit."""
 
-    __slots__ = ("sock", "inbuf", "out", "counted", "anon", "closing", "writing", "dirty")
+    __slots__ = ("sock", "inbuf", "out", "counted", "anon", "closing", "writing", "dirty", "backlogged")
 
     def __init__(self, sock: socket.socket, number: int) -> None:
         self.sock = sock
@@ -1487,6 +1513,7 @@ class _Conn:
         self.closing = False
         self.writing = False
         self.dirty = False
+        self.backlogged = False  # complete lines left over from its last turn
 
 
 _LISTENER = "listener"
@@ -1528,6 +1555,10 @@ class Daemon:
         self._counted = 0
         self._dirty: list[_Conn] = []
         self._doomed: list[_Conn] = []
+        self._backlog: list[_Conn] = []
+        self._starved = False  # out of descriptors, accepts paused
+        self._idle_since = 0.0  # when the last counted client left (or the daemon started)
+        self._ever_counted = False
         self._timers: dict[str, float] = {}
         self._timer_heap: list[tuple[float, str]] = []
         self._origin = self._now = time.monotonic() * 1000.0
@@ -1675,18 +1706,13 @@ class Daemon:
         self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._load_config(startup=True)
         self._arm("poll", self._now + self._poll_ms())
-        delay = self._idle_exit_delay()
-        if delay is not None:  # spec: a daemon that never gets a client does not linger
-            self._arm("exit", self._now + max(delay, NO_CLIENT_EXIT_FLOOR_MS))
+        self._idle_since = self._now
+        self._arm_exit()
 
     def _shutdown(self) -> None:
-        for c in list(self._conns):
-            try:
-                c.sock.close()
-            except OSError:
-                pass
-        self._conns.clear()
         if self._listener is not None:
+            # The path goes first: a client connecting from now on finds no daemon and starts a
+            # fresh one, instead of reaching a listener that is about to close.
             try:
                 if os.stat(self.socket_path).st_ino == self._sock_ino:
                     os.unlink(self.socket_path)
@@ -1694,6 +1720,12 @@ class Daemon:
                 pass
             self._listener.close()
             self._listener = None
+        for c in list(self._conns):
+            try:
+                c.sock.close()
+            except OSError:
+                pass
+        self._conns.clear()
         self._flush_log()
         self._sel.close()
         self._wake_r.close()
@@ -1707,8 +1739,9 @@ class Daemon:
     def _turn(self) -> None:
         nxt = self._next_timer()
         timeout = None if nxt is None else max(0.0, (nxt - self._now) / 1000.0)
-        ready = self._sel.select(timeout)
+        ready = self._sel.select(0.0 if self._backlog else timeout)
         self._now = time.monotonic() * 1000.0  # the one clock read of this turn
+        backlog, self._backlog = self._backlog, []  # peers left over from earlier turns
         for key, mask in ready:
             data = key.data
             if data is _LISTENER:
@@ -1717,10 +1750,15 @@ class Daemon:
                 self._drain_wake()
             else:
                 c: _Conn = data
-                if mask & selectors.EVENT_READ and not c.closing:
+                if mask & selectors.EVENT_READ and not c.closing and not c.backlogged:
                     self._read(c)
                 if mask & selectors.EVENT_WRITE and not c.closing:
                     self._write(c)
+                self._settle()
+        for c in backlog:
+            c.backlogged = False
+            if not c.closing:
+                self._drain(c)
                 self._settle()
         if self._reload_now:
             self._reload_now = False
@@ -1761,9 +1799,14 @@ class Daemon:
                     # Stop accepting for a while; existing clients are served meanwhile.
                     self._sel.unregister(self._listener)
                     self._arm("accept", self._now + ACCEPT_PAUSE_MS)
-                    self._say(f"out of file descriptors ({e.strerror}); pausing accepts")
+                    if not self._starved:  # said once per episode, not every 100 ms
+                        self._say(f"out of file descriptors ({e.strerror}); pausing accepts")
+                    self._starved = True
                     return
                 continue  # ECONNABORTED and the like: that peer is gone already
+            if self._starved:
+                self._starved = False
+                self._say("accepting again")
             uid = _peer_uid(sock)
             if uid is not None and uid not in (0, os.getuid()):
                 sock.close()  # security: only our own user (or root) may queue
@@ -1784,30 +1827,36 @@ class Daemon:
         if not data:
             self._doom(c)
             return
-        nl = data.find(b"\n")
-        if nl < 0:  # no complete line yet: keep it, unless it is already too long
-            c.inbuf += data
+        c.inbuf += data
+        if data.find(b"\n") < 0:  # no new complete line: only the partial one grew
             if len(c.inbuf) > MAX_LINE_BYTES:
                 self._doom(c)
             return
-        if c.inbuf:
-            c.inbuf += data
-            data = bytes(c.inbuf)
-            c.inbuf.clear()
-        lines = data.split(b"\n")
-        rest = lines.pop()
-        for line in lines:
-            if len(line) > MAX_LINE_BYTES:
+        self._drain(c)
+
+    def _drain(self, c: _Conn) -> None:
+        """Handle up to LINES_PER_TURN complete lines of the peer's input.  A peer with more
+        waits for the next turn (and is not read from meanwhile: the kernel pushes back)."""
+        buf = c.inbuf
+        start = 0
+        for _ in range(LINES_PER_TURN):
+            nl = buf.find(b"\n", start)
+            if nl < 0:
+                break
+            if nl - start > MAX_LINE_BYTES:
                 self._doom(c)
                 return
-            self._handle_line(c, line)
+            self._handle_line(c, bytes(buf[start:nl]))
+            start = nl + 1
             if c.closing:
                 return
-        if rest:
-            if len(rest) > MAX_LINE_BYTES:
-                self._doom(c)
-                return
-            c.inbuf += rest
+        del buf[:start]
+        if buf.find(b"\n") >= 0:
+            if not c.backlogged:
+                c.backlogged = True
+                self._backlog.append(c)
+        elif len(buf) > MAX_LINE_BYTES:
+            self._doom(c)
 
     def _handle_line(self, c: _Conn, line: bytes) -> None:
         if line.endswith(b"\r"):
@@ -1934,6 +1983,7 @@ class Daemon:
         if not c.counted:
             c.counted = True
             self._counted += 1
+            self._ever_counted = True
             self._disarm("exit")  # a counted (re)connect cancels a pending exit
 
     def _uncount(self, c: _Conn) -> None:
@@ -1941,16 +1991,46 @@ class Daemon:
             c.counted = False
             self._counted -= 1
             if self._counted == 0:
-                delay = self._idle_exit_delay()
-                if delay is not None:
-                    self._arm("exit", self._now + delay)
+                self._idle_since = self._now
+                self._arm_exit()
+
+    def _arm_exit(self) -> None:
+        """With no counted client, exit ``daemonIdleExitMs`` after the last one left; a daemon
+        that never had one waits at least 30 s.  Re-armed when a reload changes the delay."""
+        delay = self._idle_exit_delay()
+        if self._counted or delay is None:
+            self._disarm("exit")
+            return
+        if not self._ever_counted:  # spec: a daemon whose spawner never connects does not linger
+            delay = max(delay, float(NO_CLIENT_EXIT_FLOOR_MS))
+        self._arm("exit", self._idle_since + delay)
+
+    def _exit_now(self) -> bool:
+        """Is it safe to exit for idleness?  Not while a connection is arriving or a peer has
+        sent something not yet read: that client would find a daemon that vanishes under it."""
+        assert self._listener is not None
+        ready = selectors.DefaultSelector()
+        try:
+            ready.register(self._listener, selectors.EVENT_READ)
+            for c in self._conns:
+                if not c.closing:
+                    ready.register(c.sock, selectors.EVENT_READ)
+            return not ready.select(0)
+        except (OSError, ValueError):
+            return True
+        finally:
+            ready.close()
 
     # -- timers -----------------------------------------------------------------------------------
 
     def _arm(self, name: str, when: float) -> None:
         if self._timers.get(name) != when:
             self._timers[name] = when
-            heapq.heappush(self._timer_heap, (when, name))
+            heap = self._timer_heap
+            heapq.heappush(heap, (when, name))
+            if len(heap) > 2 * len(self._timers) + 16:  # drop the stale entries of re-armed timers
+                heap[:] = [(t, n) for n, t in self._timers.items()]
+                heapq.heapify(heap)
 
     def _disarm(self, name: str) -> None:
         self._timers.pop(name, None)
@@ -1976,8 +2056,11 @@ class Daemon:
             elif name == "debounce":
                 self._debounced()
             elif name == "exit":
-                self.exit_reason = "idle"
-                self._stopping = True
+                if self._exit_now():
+                    self.exit_reason = "idle"
+                    self._stopping = True
+                else:
+                    self._arm("exit", self._now + 1.0)  # look again after the next turn's input
             elif name == "accept" and self._listener is not None:
                 self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
 
@@ -2032,13 +2115,17 @@ class Daemon:
         self._watch_sig = self._watch_signature()
         self._pending_sig = self._watch_sig
         load = load_config(self.config_path)
-        catalog = load_catalog(self.models_json)
+        catalog_state, catalog = read_catalog(self.models_json)
+        if catalog_state not in ("ok", "missing") and not startup:
+            catalog = self.catalog  # half-written or unreadable: keep the catalog in use
         if load.state == "unreadable":
             note = "; ".join(load.errors)
             if note != self._watch_note:  # say it once, not every poll
                 keeping = "serving with defaults" if startup else "keeping the last good config"
                 self._say(f"config unreadable ({note}); {keeping}")
             self._watch_note = note
+            if os.path.exists(self.config_path):
+                self._watch_sig = None  # the file is there but would not read: try again next poll
             if not startup:
                 return
         elif self._watch_note is not None:
@@ -2068,6 +2155,8 @@ class Daemon:
             self.scheduler = Scheduler(addressing, alive=self._alive)
         else:
             self._apply(self.scheduler.reconfigure(addressing, now=self._now))
+            if "exit" in self._timers:
+                self._arm_exit()  # a changed daemonIdleExitMs applies to a pending exit
 
     # -- the event log ----------------------------------------------------------------------------
 
@@ -2081,12 +2170,22 @@ class Daemon:
         if not path:
             return
         ts = _iso_utc(time.time())
-        text = "".join(json.dumps(dict(line, ts=ts), separators=(",", ":")) + "\n" for line in lines)
+        data = "".join(json.dumps(dict(line, ts=ts), separators=(",", ":")) + "\n" for line in lines).encode()
         try:
-            with open(os.path.expanduser(path), "a", encoding="utf-8") as f:
-                f.write(text)
+            # Never block the loop on the log: a FIFO or a device there is refused, not opened
+            # for a write that waits for a reader.
+            fd = os.open(os.path.expanduser(path),
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
         except (OSError, ValueError):
+            return
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                while data:
+                    data = data[os.write(fd, data):]
+        except OSError:
             pass
+        finally:
+            os.close(fd)
 
 
 # =================================================================================================
@@ -2102,6 +2201,7 @@ class Daemon:
 
 
 SPAWN_BACKOFF_S = 10.0  # a daemon that would not start is not spawned again for this long
+SILENT_RETRIES = 2  # an acquire whose connection died before it answered anything is asked again
 
 
 class DaemonUnavailable(LLMQueueError):
@@ -2115,18 +2215,20 @@ class Cancelled(LLMQueueError):
 class _Pending:
     """One request waiting for its reply."""
 
-    __slots__ = ("event", "reply", "dead", "cancelled")
+    __slots__ = ("event", "reply", "dead", "silent", "cancelled")
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.reply: Optional[dict[str, Any]] = None
         self.dead = False  # the connection went away first
+        self.silent = False  # ... and had never answered anything: the daemon was exiting
         self.cancelled = False
 
     def resolve(self, reply: Optional[dict[str, Any]] = None, *, dead: bool = False,
-                cancelled: bool = False) -> None:
+                silent: bool = False, cancelled: bool = False) -> None:
         self.reply = reply
         self.dead = dead
+        self.silent = silent
         self.cancelled = cancelled
         self.event.set()
 
@@ -2180,8 +2282,8 @@ class Lease:
         unqueued.  A lease let through unqueued (fail-open) tries to queue again too."""
         if self.released:
             raise LLMQueueError(f"{self.session_key}: the lease on {self.queue_key} was released")
-        if self.held:
-            self.beat()
+        if self.held and not self.beat():
+            self.lost = True
         if self.lost or not self.queued:
             self.client._reacquire(self, timeout)
         return self
@@ -2263,7 +2365,11 @@ class Client:
         self._acquires: dict[tuple[str, str], list[_Pending]] = {}
         self._beats: dict[tuple[str, str], list[_Pending]] = {}
         self._statuses: list[_Pending] = []
-        self._leases: dict[tuple[str, str], Lease] = {}
+        # Every Lease object per (queue, session): several threads may hold the same session's
+        # slot; the daemon's slot goes back when the last of them is released.
+        self._leases: dict[tuple[str, str], list[Lease]] = {}
+        self._cancels: dict[tuple[str, str], int] = {}  # cancel generation per (queue, session)
+        self._heard = False  # the current connection has delivered a reply
         self._later: list[tuple[float, int, Callable[[], None]]] = []
         self._later_seq = 0
         self._next_bare = 0.0
@@ -2272,7 +2378,7 @@ class Client:
         self._closed = False
         self._spawned: list[Any] = []
         self._spawn_backoff_until = 0.0
-        self.default_session = f"pid-{os.getpid()}"
+        self._sessions_made = 0
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -2334,7 +2440,7 @@ class Client:
         if self._sock is not None:
             return self._sock
         if self._closed:
-            raise DaemonUnavailable("the client is closed")
+            raise LLMQueueError("the client is closed")
         sock = self._try_connect()
         # After a spawn that never answered, do not stall every request on another one for a
         # while: fail fast (and open) until the back-off has passed.
@@ -2346,22 +2452,28 @@ class Client:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.1)
                 sock = self._try_connect()
+                if sock is None and self._spawned and all(p.poll() is not None for p in self._spawned):
+                    # Ours gave way to a daemon that has since gone too (an idle-exit): start
+                    # another; the daemons settle between themselves which one serves.
+                    self._spawn()
         if sock is None:
             self._spawn_backoff_until = time.monotonic() + SPAWN_BACKOFF_S
             raise DaemonUnavailable(f"no daemon answers on {self.socket_path}")
         self._read_config()
         self._sock = sock
+        self._heard = False
         self._generation += 1
         reader = threading.Thread(target=self._read_loop, args=(sock, self._generation),
                                   name="llmqueue-reader", daemon=True)
         reader.start()
         return sock
 
-    def _send(self, message: dict[str, Any], *, connect: bool = True) -> None:
-        """Send one request; raises DaemonUnavailable when there is no daemon to send it to."""
+    def _send(self, message: dict[str, Any], *, connect: bool = True, generation: Optional[int] = None) -> None:
+        """Send one request; raises DaemonUnavailable when there is no daemon to send it to, or
+        (given ``generation``) when the connection is no longer the one the caller expects."""
         with self._cv:
             sock = self._connect() if connect else self._sock
-            if sock is None:
+            if sock is None or (generation is not None and generation != self._generation):
                 raise DaemonUnavailable("not connected")
             generation = self._generation
         try:
@@ -2395,16 +2507,20 @@ class Client:
         op = reply.get("op")
         key: tuple[str, str] = (str(reply.get("queueKey")), str(reply.get("sessionKey")))
         with self._cv:
+            self._heard = True
             if op == "granted":
                 for pending in self._acquires.pop(key, ()):
                     pending.resolve(reply)
             elif op == "ok" and "granted" in reply:
-                lease = self._leases.get(key)
-                if lease is not None and reply.get("granted") is False and lease.queued:
-                    lease.lost = True
+                if reply.get("granted") is False:
+                    for lease in self._leases.get(key, ()):
+                        if lease.queued:
+                            lease.lost = True
                 waiting = self._beats.get(key)
                 if waiting:
                     waiting.pop(0).resolve(reply)
+                    if not waiting:
+                        del self._beats[key]
             elif op == "status":
                 if self._statuses:
                     self._statuses.pop(0).resolve(reply)
@@ -2417,15 +2533,17 @@ class Client:
             if generation != self._generation or self._sock is None:
                 return
             self._sock = None
+            silent = not self._heard
             for waiting in list(self._acquires.values()) + list(self._beats.values()) + [self._statuses]:
                 for pending in waiting:
-                    pending.resolve(dead=True)
+                    pending.resolve(dead=True, silent=silent)
             self._acquires.clear()
             self._beats.clear()
             self._statuses = []
-            for lease in self._leases.values():
-                if lease.queued:
-                    lease.lost = True
+            for group in self._leases.values():
+                for lease in group:
+                    if lease.queued:
+                        lease.lost = True
             self._cv.notify_all()
         try:
             sock.close()
@@ -2454,7 +2572,11 @@ class Client:
             raise ValueError("queue_key must be a non-empty string")
         if role not in ROLES:
             raise ValueError(f"role must be parent or child (got {role!r})")
-        lease = Lease(self, queue_key, session_key or self.default_session, role, group, activity)
+        if not session_key:  # a session of its own: threads never share a slot by accident
+            with self._cv:
+                self._sessions_made += 1
+                session_key = f"pid{os.getpid()}-{self._sessions_made}"
+        lease = Lease(self, queue_key, session_key, role, group, activity)
         self._wait_for_grant(lease, timeout)
         return lease
 
@@ -2463,20 +2585,43 @@ class Client:
         self._wait_for_grant(lease, timeout)
 
     def _wait_for_grant(self, lease: Lease, timeout: Optional[float]) -> None:
+        with self._cv:
+            cancels = self._cancels.get((lease.queue_key, lease.session_key), 0)
+        for attempt in range(1, SILENT_RETRIES + 2):
+            pending = self._request_grant(lease, timeout)
+            if pending is None:
+                return  # let through unqueued (fail-open)
+            # A connection that died before it ever answered was a daemon exiting at the very
+            # moment we connected (idle-exit): ask again, which starts a fresh one.
+            if not (pending.dead and pending.silent and attempt <= SILENT_RETRIES):
+                self._take_grant(lease, pending, cancels)
+                return
+
+    def _request_grant(self, lease: Lease, timeout: Optional[float]) -> Optional[_Pending]:
+        """Send the acquire and wait for its answer (a grant, a cancel, or a dead connection)."""
         key = (lease.queue_key, lease.session_key)
         pending = _Pending()
         try:
             with self._cv:
                 self._connect()
                 self._acquires.setdefault(key, []).append(pending)
+                generation = self._generation
             # On the connection it was registered on: if that one dies first, the pending is
             # released (dead) with it, never silently re-sent elsewhere.
             self._send({"op": "acquire", "queueKey": lease.queue_key, "sessionKey": lease.session_key,
                         "role": lease.role, "group": lease.group, "activity": lease.activity},
-                       connect=False)
+                       connect=False, generation=generation)
         except DaemonUnavailable as e:
+            if pending.dead:
+                return pending  # the connection broke under the send: the caller may ask again
+            with self._cv:
+                mine = self._acquires.get(key, [])
+                if pending in mine:
+                    mine.remove(pending)
+                    if not mine:
+                        del self._acquires[key]
             self._unreachable(lease, str(e))
-            return
+            return None
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         warn_at = None
@@ -2512,7 +2657,15 @@ class Client:
             # cancel drops the waiter, and releases the slot if the grant won the race.
             self._quietly({"op": "cancel", "queueKey": lease.queue_key, "sessionKey": lease.session_key})
             raise
-        if pending.cancelled:
+        return pending
+
+    def _take_grant(self, lease: Lease, pending: _Pending, cancels: int) -> None:
+        key = (lease.queue_key, lease.session_key)
+        with self._cv:
+            cancelled = pending.cancelled or self._cancels.get(key, 0) != cancels
+        if cancelled:
+            if pending.reply is not None:  # granted, but an abort came first: give it back
+                self._quietly({"op": "cancel", "queueKey": lease.queue_key, "sessionKey": lease.session_key})
             raise Cancelled(f"{lease.session_key}: cancelled while queued for {lease.queue_key}")
         if pending.dead or pending.reply is None:
             self._unreachable(lease, f"the daemon went away while {lease.session_key} waited")
@@ -2525,8 +2678,14 @@ class Client:
         lease.lost = False
         lease.released = False
         with self._cv:
+            if self._cancels.get(key, 0) != cancels:  # an abort raced the grant to here
+                lease.released = True
+                self._quietly({"op": "cancel", "queueKey": lease.queue_key, "sessionKey": lease.session_key})
+                raise Cancelled(f"{lease.session_key}: cancelled while queued for {lease.queue_key}")
             lease._next_beat = time.monotonic() + lease.terms.refresh_period_ms() / 1000.0
-            self._leases[key] = lease
+            group = self._leases.setdefault(key, [])
+            if lease not in group:
+                group.append(lease)
             self._start_worker()
             self._cv.notify_all()
 
@@ -2536,27 +2695,37 @@ class Client:
         except DaemonUnavailable:
             pass
 
-    def cancel(self, queue_key: str, session_key: Optional[str] = None) -> None:
+    def cancel(self, queue_key: str, session_key: str) -> None:
         """Esc for a session: its queued acquire (in any thread) raises Cancelled, and a slot it
         holds is released.  The daemon does both at once."""
-        session_key = session_key or self.default_session
         key = (queue_key, session_key)
         with self._cv:
+            self._cancels[key] = self._cancels.get(key, 0) + 1
             for pending in self._acquires.pop(key, ()):
                 pending.resolve(cancelled=True)
-            lease = self._leases.pop(key, None)
-            if lease is not None:
+            for lease in self._leases.pop(key, ()):
                 lease.released = True
         self._quietly({"op": "cancel", "queueKey": queue_key, "sessionKey": session_key})
 
     def _finish(self, lease: Lease, op: str) -> None:
+        """``release``: the slot goes back when the last Lease of its session lets go.
+        ``cancel``: it goes back now, for every Lease of the session."""
+        if op == "cancel":
+            if not lease.released:
+                self.cancel(lease.queue_key, lease.session_key)
+                lease.released = True
+            return
         key = (lease.queue_key, lease.session_key)
         with self._cv:
             if lease.released:
                 return
             lease.released = True
-            if self._leases.get(key) is lease:
-                del self._leases[key]
+            group = self._leases.get(key, [])
+            if lease in group:
+                group.remove(lease)
+            if group:
+                return  # another Lease of this session still uses the slot
+            self._leases.pop(key, None)
         if lease.queued:
             self._quietly({"op": op, "queueKey": lease.queue_key, "sessionKey": lease.session_key})
 
@@ -2570,9 +2739,10 @@ class Client:
                 lease.lost = True
                 return False
             self._beats.setdefault(key, []).append(pending)
+            generation = self._generation
         try:
             self._send({"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key},
-                       connect=False)
+                       connect=False, generation=generation)
         except DaemonUnavailable:
             return False
         if not pending.event.wait(timeout) or pending.reply is None:
@@ -2612,15 +2782,18 @@ class Client:
         return Session(self, queue_key, session_key, role, group, grace_ms)
 
     def close(self) -> None:
-        """Say ``bye`` (everything this process holds or queued is let go now) and disconnect."""
+        """Say ``bye`` (everything this process holds or queued is let go now) and disconnect.
+        A closed client raises LLMQueueError on any further request."""
         with self._cv:
             if self._closed:
                 return
+            self._closed = True  # first: a racing acquire must not reconnect behind our back
             sock = self._sock
-            leases = list(self._leases.values())
+            for group in self._leases.values():
+                for lease in group:
+                    lease.released = True
             self._leases.clear()
-            for lease in leases:
-                lease.released = True
+            self._cv.notify_all()
         if sock is not None:
             self._quietly({"op": "bye"})
             try:
@@ -2628,9 +2801,6 @@ class Client:
             except OSError:
                 pass
             self._connection_lost(sock, self._generation)
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
         for proc in self._spawned:
             proc.poll()
 
@@ -2681,17 +2851,20 @@ class Client:
                 now = time.monotonic()
                 wake = now + 60.0
                 paused_period: Optional[float] = None
-                for lease in list(self._leases.values()):
-                    if not lease.held:
+                for group in self._leases.values():
+                    held = [lease for lease in group if lease.held]
+                    if not held:
                         continue
-                    period = lease.terms.refresh_period_ms() / 1000.0
-                    if lease._blocking:
+                    period = min(lease.terms.refresh_period_ms() for lease in held) / 1000.0
+                    active = [lease for lease in held if not lease._blocking]
+                    if not active:  # every user of the slot waits on another agent
                         paused_period = period if paused_period is None else min(paused_period, period)
                         continue
-                    if lease._next_beat <= now:
-                        lease._next_beat = now + period
-                        actions.append(self._beat_action(lease))
-                    wake = min(wake, lease._next_beat)
+                    if min(lease._next_beat for lease in active) <= now:  # one beat per session
+                        for lease in active:
+                            lease._next_beat = now + period
+                        actions.append(self._beat_action(active[0]))
+                    wake = min(wake, min(lease._next_beat for lease in active))
                 if paused_period is not None:
                     if self._next_bare <= now:
                         self._next_bare = now + paused_period
@@ -2739,14 +2912,19 @@ class Session:
         self.grace_ms = grace_ms
         self.lease: Optional[Lease] = None
         self._cancel_grace: Optional[Callable[[], None]] = None
+        self._turn = 0  # bumped by every start/abort/close: a grace release from before is void
         self._lock = threading.Lock()
+
+    def _call_off_grace(self) -> None:
+        self._turn += 1
+        if self._cancel_grace is not None:
+            self._cancel_grace()
+            self._cancel_grace = None
 
     def start(self, timeout: Optional[float] = None) -> Lease:
         """The run starts: hold the slot (a pending grace release is called off)."""
         with self._lock:
-            if self._cancel_grace is not None:
-                self._cancel_grace()
-                self._cancel_grace = None
+            self._call_off_grace()
             lease = self.lease
         if lease is not None and not lease.released:
             return lease.ensure(timeout)
@@ -2762,9 +2940,12 @@ class Session:
             lease = self.lease
             if lease is None or lease.released or self._cancel_grace is not None:
                 return
+            turn = self._turn
 
             def release() -> None:
                 with self._lock:
+                    if self._turn != turn:  # a run started (or ended) since: not ours to release
+                        return
                     self._cancel_grace = None
                     if self.lease is lease:
                         self.lease = None
@@ -2775,18 +2956,14 @@ class Session:
     def abort(self) -> None:
         """Esc: a queued request is dropped (its acquire raises Cancelled), a held slot released."""
         with self._lock:
-            if self._cancel_grace is not None:
-                self._cancel_grace()
-                self._cancel_grace = None
+            self._call_off_grace()
             self.lease = None
         self.client.cancel(self.queue_key, self.session_key)
 
     def close(self) -> None:
         """Shutdown: release at once, no grace."""
         with self._lock:
-            if self._cancel_grace is not None:
-                self._cancel_grace()
-                self._cancel_grace = None
+            self._call_off_grace()
             lease, self.lease = self.lease, None
         if lease is not None:
             lease.release()
@@ -2955,8 +3132,11 @@ class Proxy:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    def begin(self, session_key: Optional[str], role: str) -> _ProxySession:
-        """Hold the slot for a request of ``session_key`` (a fresh session when None)."""
+    def begin(self, session_key: Optional[str], role: str,
+              client_sock: Optional[socket.socket] = None) -> _ProxySession:
+        """Hold the slot for a request of ``session_key`` (a fresh session when None).  While it
+        waits, ``client_sock`` is watched: an HTTP client that hangs up leaves the queue
+        (Cancelled), as a socket client that disconnects would."""
         import uuid
 
         own = session_key is None
@@ -2967,13 +3147,35 @@ class Proxy:
                 ps = self._sessions[key] = _ProxySession(
                     self.client.session(self.queue_key, key, role, grace_ms=self.grace_ms), own)
             ps.inflight += 1
+        waiting = threading.Event()
+        if client_sock is not None:
+            threading.Thread(target=self._watch_hangup, args=(client_sock, waiting, key),
+                             name="llmqueue-proxy-watch", daemon=True).start()
         try:
             with ps.starting:  # concurrent requests of one session share one acquire
                 ps.session.start()
         except BaseException:
             self.end(key, ok=False)
             raise
+        finally:
+            waiting.set()
         return ps
+
+    def _watch_hangup(self, sock: socket.socket, done: threading.Event, key: str) -> None:
+        while not done.wait(0.1):
+            try:
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    continue  # the client sent more (a pipelined request): still there
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                pass
+            with self._lock:  # end of file: the client is gone
+                ps = self._sessions.get(key)
+                alone = ps is not None and ps.inflight == 1
+            if alone and ps is not None and not done.is_set():
+                ps.session.abort()  # its only request: leave the queue now
+            return
 
     def end(self, key: str, *, ok: bool) -> None:
         """A request of ``key`` is over: the session settles (grace) after its last request, or
@@ -2984,7 +3186,7 @@ class Proxy:
                 return
             ps.inflight -= 1
             last = ps.inflight <= 0
-            if last and ps.own:
+            if last and (ps.own or not ok):
                 del self._sessions[key]
         if not last:
             return
@@ -2992,8 +3194,15 @@ class Proxy:
             ps.session.close()
         elif ok:
             ps.session.settle()
+            # Forget the session once its grace has let the slot go (and no request came).
+            self.client.call_later(self.grace_ms / 1000.0 + 1.0, lambda: self._forget(key, ps))
         else:
             ps.session.abort()  # cancel: released at once
+
+    def _forget(self, key: str, ps: _ProxySession) -> None:
+        with self._lock:
+            if self._sessions.get(key) is ps and ps.inflight <= 0 and ps.session.lease is None:
+                del self._sessions[key]
 
 
 def _make_proxy_handler(proxy: Proxy) -> Any:
@@ -3043,9 +3252,12 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 self.close_connection = True
                 return
             try:
-                ps = proxy.begin(session, role)
+                ps = proxy.begin(session, role, self.connection)
             except DaemonUnavailable as e:
                 self._error(503, "llmqueue_unavailable", f"the llmqueue daemon is unavailable: {e}")
+                return
+            except Cancelled:
+                self.close_connection = True  # the client hung up while queued
                 return
             key = ps.session.session_key
             ok = False
@@ -3726,10 +3938,18 @@ _FORWARDED = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGQUIT", "S
 
 
 def _in_terminal_foreground() -> bool:
+    """Are we in the foreground of our controlling terminal (whatever stdin is)?  Then the
+    terminal's Ctrl-C reaches the whole process group, the command included."""
     try:
-        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
-    except (OSError, ValueError, AttributeError):
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
         return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _cmd_run(argv: list[str]) -> int:
@@ -3760,7 +3980,7 @@ def _cmd_run(argv: list[str]) -> int:
             sys.stderr.flush()
 
     client = Client(args.agent_dir, socket_path=args.socket,
-                    fail_open=False if args.fail_closed else None, on_position=show,
+                    fail_open=False if args.fail_closed else None, on_position=show if tty else None,
                     on_warning=lambda message: print(message, file=sys.stderr))
     try:
         try:

@@ -524,7 +524,8 @@ def test_merging_two_endpoints_into_a_group_keeps_both_holders_over_capacity() -
     (b"\xff\xfe", "invalid UTF-8"),
     (b"nope", "invalid JSON"),
     (b"[" * 100_000, "nested too deeply"),
-    (b"1" * 5000, "invalid JSON"),
+    (b"1" * 5000, "must be a JSON object"),
+    (b'{"op":"acquire","queueKey":' + b"7" * 5000 + b"}", "queueKey must be a non-empty string"),
     (b'{"op":"status","x":NaN}', "invalid JSON"),
     (b'[{"op":"status"}]', "must be a JSON object"),
     (b'"status"', "must be a JSON object"),
@@ -552,6 +553,8 @@ def test_parse_request_rejects_bad_input_with_one_error(line: bytes, reason: str
 def test_parse_request_ignores_unknown_fields() -> None:
     req = lq.parse_request(b'{"op":"acquire","queueKey":"k","sessionKey":"s","future":{"x":1}}')
     assert req == lq.Request("acquire", "k", "s")
+    huge = b'{"op":"status","future":' + b"9" * 10_000 + b"}"  # past Python's int digit limit
+    assert lq.parse_request(huge) == lq.Request("status")
 
 
 @settings(max_examples=500, deadline=None)
@@ -1056,3 +1059,48 @@ def test_many_spellings_of_one_request_are_each_answered_once() -> None:
     assert list(w.targets) == [("c1", k) for k in spellings]
     events = s.release(K, "H", now=T0 + 2)
     assert [e.targets for e in events if isinstance(e, lq.Granted)] == [tuple(("c1", k) for k in spellings)]
+
+
+def test_a_pipelining_peer_is_served_in_slices_and_others_get_their_turn() -> None:
+    """A peer that writes thousands of requests at once is handled LINES_PER_TURN per loop
+    turn; a request from another peer that arrives meanwhile is answered before the flood is
+    through (checked in-process, by the turn each line was handled in)."""
+    from tests.harness import short_tmpdir
+    d = lq.Daemon(short_tmpdir(), sweep_ms=20, idle_exit_ms=-1)
+    handled: list[tuple[int, str]] = []
+    turns = [0]
+    original_turn, original_line = d._turn, d._handle_line
+
+    def turn() -> None:
+        turns[0] += 1
+        original_turn()
+
+    def line(c: Any, data: bytes) -> None:
+        handled.append((turns[0], "flood" if b"flood" in data else "other"))
+        original_line(c, data)
+
+    d._turn = turn  # type: ignore[method-assign]
+    d._handle_line = line  # type: ignore[method-assign]
+    d.bind()
+    t = threading.Thread(target=d.serve_forever, daemon=True)
+    t.start()
+    try:
+        flood, other = Peer(d.socket_path), Peer(d.socket_path)
+        n = 20 * lq.LINES_PER_TURN
+        flood.send(b'{"op":"renew","flood":1}\n' * n)
+        wait_for(lambda: len(handled) > lq.LINES_PER_TURN)  # the daemon is into the flood
+        assert other.ask({"op": "renew"}) == {"op": "ok"}
+        for _ in range(n):
+            flood.recv()
+        per_turn: dict[int, int] = {}
+        for turn_no, who in handled:
+            if who == "flood":
+                per_turn[turn_no] = per_turn.get(turn_no, 0) + 1
+        assert max(per_turn.values()) <= lq.LINES_PER_TURN
+        other_at = [i for i, (_, who) in enumerate(handled) if who == "other"][0]
+        assert other_at < len(handled) - 1  # served before the flood's last line
+        flood.close()
+        other.close()
+    finally:
+        d.stop()
+        t.join(5)

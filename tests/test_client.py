@@ -617,3 +617,143 @@ def test_run_fail_open_runs_the_command_unqueued_with_a_warning() -> None:
     out = run_cli("run", "--agent-dir", os.path.join(d, "nowhere", "x" * 80), "--queue", K, "--", "touch", marker)
     assert out.returncode == 0 and os.path.exists(marker)
     assert "unqueued" in out.stderr
+
+
+# -- review findings: shared sessions, races, the idle-exit instant ----------------------------------
+
+
+def test_acquires_without_a_session_key_are_sessions_of_their_own(daemon: DaemonProc) -> None:
+    """Two threads of one Client that name no session must not share one slot."""
+    with client_for(daemon) as c:
+        first = c.acquire(K)
+        got: list[lq.Lease] = []
+        t = threading.Thread(target=lambda: got.append(c.acquire(K)), daemon=True)
+        t.start()
+        wait_for(lambda: len(daemon.waiting(K)) == 1)
+        assert not got and first.session_key not in daemon.waiting(K)
+        first.release()
+        t.join(5)
+        assert got and got[0].session_key != first.session_key
+
+
+def test_two_leases_of_one_session_release_the_slot_only_when_both_let_go(daemon: DaemonProc) -> None:
+    with client_for(daemon) as c:
+        one = c.acquire(K, "S")
+        two = c.acquire(K, "S")  # the same session from another thread: re-granted, one slot
+        one.release()
+        assert daemon.holders(K) == ["S"] and two.held and two.beat()
+        two.release()
+        wait_for(lambda: daemon.holders(K) == [])
+
+
+def test_a_lost_slot_marks_every_lease_of_the_session_lost_and_ensure_requeues(daemon: DaemonProc) -> None:
+    with client_for(daemon) as c, daemon.peer() as other:
+        one = c.acquire(K, "S")
+        two = c.acquire(K, "S")
+        other.send({"op": "cancel", "queueKey": K, "sessionKey": "S"})  # the slot is gone
+        other.ask({"op": "acquire", "queueKey": K, "sessionKey": "O"})
+        assert one.beat() is False
+        assert one.lost and two.lost
+        done: list[lq.Lease] = []
+        t = threading.Thread(target=lambda: done.append(two.ensure()), daemon=True)
+        t.start()
+        wait_for(lambda: daemon.waiting(K) == ["S"])  # queued again before streaming
+        other.ask({"op": "release", "queueKey": K, "sessionKey": "O"})
+        t.join(5)
+        assert done and two.held
+
+
+def test_ensure_learns_a_lost_slot_from_its_own_beat(daemon: DaemonProc) -> None:
+    """Even before the background beat noticed, the request's own beat sees the slot is gone."""
+    with client_for(daemon) as c, daemon.peer() as other:
+        lease = c.acquire(K, "S")
+        other.send({"op": "cancel", "queueKey": K, "sessionKey": "S"})
+        other.ask({"op": "acquire", "queueKey": K, "sessionKey": "O"})
+        assert not lease.lost  # no beat has told it yet
+        done: list[lq.Lease] = []
+        t = threading.Thread(target=lambda: done.append(lease.ensure()), daemon=True)
+        t.start()
+        wait_for(lambda: daemon.waiting(K) == ["S"])
+        assert not done
+        other.ask({"op": "release", "queueKey": K, "sessionKey": "O"})
+        t.join(5)
+        assert done and lease.held
+
+
+def test_a_cancel_that_races_the_grant_wins(fake_factory: Callable[..., FakeDaemon]) -> None:
+    """An abort that lands after the daemon granted but before the acquire returned: the
+    acquire raises Cancelled, and the slot is given back (a second cancel reaches the daemon)."""
+    gate = threading.Event()
+
+    def reply(msg: dict[str, Any], send: Callable[[dict[str, Any]], None]) -> None:
+        if msg["op"] == "acquire":
+            def later() -> None:
+                gate.wait(5)
+                send({"op": "granted", "queueKey": msg["queueKey"], "sessionKey": msg["sessionKey"],
+                      "leaseTtlMs": 30000, "idleYieldMs": 0})
+            threading.Thread(target=later, daemon=True).start()
+    fake = fake_factory(reply)
+    with lq.Client(fake.dir, autostart=False) as c:
+        errors: list[BaseException] = []
+
+        def go() -> None:
+            try:
+                c.acquire(K, "S")
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        wait_for(lambda: fake.ops("acquire"))
+        c.cancel(K, "S")
+        gate.set()
+        t.join(5)
+        assert errors and isinstance(errors[0], lq.Cancelled)
+        wait_for(lambda: len(fake.ops("cancel")) >= 1)
+
+
+def test_a_closed_client_refuses_new_requests() -> None:
+    c = lq.Client(short_tmpdir(), autostart=False)
+    c.close()
+    with pytest.raises(lq.LLMQueueError, match="closed"):
+        c.acquire(K, "A")
+
+
+def check_idle_exit_instant(threads: int, rounds: int) -> None:
+    """Clients come and go against a daemon with daemonIdleExitMs 0: each one's connect may land
+    in the very instant the daemon exits for the previous one.  None of them may run unqueued:
+    a connection that dies before it ever answered is asked again, on a fresh daemon."""
+    d = short_tmpdir()
+    with open(os.path.join(d, "llm-queue.json"), "w") as f:
+        json.dump({"defaults": {"daemonIdleExitMs": 0}}, f)
+    unqueued: list[str] = []
+    errors: list[BaseException] = []
+
+    def churn(n: int) -> None:
+        try:
+            for i in range(rounds):
+                with lq.Client(d, on_warning=unqueued.append) as c:
+                    lease = c.acquire(f"http://127.0.0.1:9/{n}", f"s{n}-{i}", timeout=30)
+                    if not lease.queued:
+                        unqueued.append(f"s{n}-{i}")
+                    lease.release()
+        except BaseException as e:
+            errors.append(e)
+
+    workers = [threading.Thread(target=churn, args=(n,)) for n in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert not errors, errors
+    assert unqueued == []
+    wait_for(lambda: not os.path.exists(os.path.join(d, "llm-queue.sock")), timeout=5)
+
+
+def test_a_client_arriving_as_the_daemon_idle_exits_is_still_queued() -> None:
+    check_idle_exit_instant(threads=3, rounds=6)
+
+
+@pytest.mark.slow
+def test_a_client_arriving_as_the_daemon_idle_exits_is_still_queued_stress() -> None:
+    check_idle_exit_instant(threads=6, rounds=40)

@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -1027,3 +1028,60 @@ def test_log_a_waiter_that_leaves_without_a_grant_is_a_dequeue_with_its_reason()
         lines = wait_for(lambda: [l for l in log_lines(log) if l["event"] == "dequeue"] or None)
         assert [(l["sessionKey"], l["role"], l["reason"], l["queueKey"]) for l in lines] == [
             ("W1", "child", "cancel", U1), ("W2", "parent", "disconnect", U1)]
+
+
+def test_reload_a_torn_models_json_keeps_the_catalog_in_use() -> None:
+    """A half-written models.json must not split an endpoint's queue for a moment: a session
+    queued through a provider name keeps sharing the endpoint's slot with raw-URL clients."""
+    models = {"providers": {"llama": {"baseUrl": U1}}}
+    for d in started(models=models):
+        s, t = d.peer(), d.peer()
+        s.ask({"op": "acquire", "queueKey": "llama", "sessionKey": "S"})
+        with open(os.path.join(d.agent_dir, "models.json"), "w") as f:
+            f.write('{"providers": {"lla')  # torn mid-write
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGHUP)  # reload now
+        time.sleep(0.3)
+        t.send({"op": "acquire", "queueKey": U1, "sessionKey": "T"})
+        assert t.silent(0.3)  # still one slot set: S holds it
+        assert d.holders(U1) == ["S"] and d.waiting(U1) == ["T"]
+
+
+def test_reload_a_log_file_that_is_a_fifo_never_blocks_the_daemon() -> None:
+    fifo = os.path.join(short_tmpdir(), "log.fifo")
+    os.mkfifo(fifo)
+    for d in started(config={"defaults": {"logFile": fifo}}):
+        with d.peer() as p:
+            for i in range(3):
+                assert p.ask({"op": "acquire", "queueKey": U1, "sessionKey": f"s{i}"}, timeout=3)["op"] == "granted"
+                assert p.ask({"op": "release", "queueKey": U1, "sessionKey": f"s{i}"}, timeout=3) == {"op": "ok"}
+
+
+def test_reload_an_edit_that_meets_a_transient_read_error_is_retried() -> None:
+    """The file changed, but reading it failed once (e.g. out of descriptors): the next poll
+    tries again instead of waiting for another edit."""
+    import llmqueue as lq
+
+    d = lq.Daemon(short_tmpdir(), sweep_ms=20, idle_exit_ms=-1)
+    original = lq.load_config
+    failures = []
+
+    def flaky(path: str) -> Any:
+        if not failures:
+            failures.append(path)
+            return lq.ConfigLoad("unreadable", lq.Config(), (f"{path}: Too many open files",))
+        return original(path)
+
+    d.bind()
+    t = threading.Thread(target=d.serve_forever, daemon=True)
+    t.start()
+    try:
+        with Peer(d.socket_path) as p:  # serving: the startup load is done
+            assert p.ask({"op": "status"})["op"] == "status"
+        lq.load_config = flaky  # type: ignore[assignment]
+        write_json(d.config_path, {"defaults": {"maxStreams": 3}})
+        wait_for(lambda: failures and d.config.defaults.max_streams == 3, timeout=5)
+    finally:
+        lq.load_config = original  # type: ignore[assignment]
+        d.stop()
+        t.join(5)

@@ -860,3 +860,36 @@ def test_an_idle_daemon_wakes_only_for_the_config_poll() -> None:
     finally:
         d.stop()
         t.join(5)
+
+
+def test_idle_exit_a_reload_that_shortens_the_delay_applies_to_a_pending_exit() -> None:
+    """The last client left with daemonIdleExitMs 10^9 pending; an edit to 0 exits at once."""
+    with DaemonProc(config={"defaults": {"daemonIdleExitMs": 10**9}}, inject_idle_exit=False) as d:
+        d.start()
+        with d.peer() as p:
+            p.ask(acquire(K, "A"))
+        time.sleep(0.3)
+        assert d.alive()
+        d.write_config({"defaults": {"daemonIdleExitMs": 0}})
+        assert d.wait_exit(timeout=RELOAD_TIMEOUT) == 0
+        assert not os.path.exists(d.socket_path)
+
+
+def test_idle_exit_rearming_never_piles_up_stale_timers() -> None:
+    """Every counted client that leaves re-arms the exit; the timer heap stays small."""
+    import llmqueue as lq
+
+    d = lq.Daemon(short_tmpdir(), sweep_ms=20, idle_exit_ms=600_000)
+    d.bind()
+    t = threading.Thread(target=d.serve_forever, daemon=True)
+    t.start()
+    try:
+        for i in range(300):
+            with Peer(d.socket_path) as p:
+                assert p.ask({"op": "renew"}) == {"op": "ok"}  # counted, then gone
+        with Peer(d.socket_path) as p:
+            p.ask({"op": "status"})
+        assert len(d._timer_heap) <= 2 * len(d._timers) + 17
+    finally:
+        d.stop()
+        t.join(5)

@@ -281,3 +281,30 @@ def test_the_command_serves_and_exits_cleanly_on_sigterm(stub: StubEndpoint, dae
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_client_hanging_up_while_queued_leaves_the_queue_and_is_never_forwarded(
+        stub: StubEndpoint, daemon: DaemonProc) -> None:
+    for p in open_proxy(stub.base, daemon.agent_dir, grace_ms=50):
+        holder = threading.Thread(target=chat_all, args=(p.port, "slow-H", "/s/H/parent/v1/chat/completions"))
+        holder.start()
+        wait_for(lambda: stub.started("slow-H"))
+        conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=30)
+        body = json.dumps({"model": "stub", "stream": True, "user": "esc-me", "messages": []})
+        conn.request("POST", "/s/esc/child/v1/chat/completions", body=body,
+                     headers={"Content-Type": "application/json"})
+        wait_for(lambda: daemon.waiting(stub.base) == ["esc"])
+        conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+        conn.close()
+        wait_for(lambda: daemon.waiting(stub.base) == [], timeout=3)  # it left the queue
+        stub.let_slow_finish()
+        holder.join(10)
+        time.sleep(0.3)
+        assert not stub.started("esc-me")  # and its request never reached the upstream
+
+
+def test_named_sessions_are_forgotten_after_their_grace(stub: StubEndpoint, daemon: DaemonProc) -> None:
+    for p in open_proxy(stub.base, daemon.agent_dir, grace_ms=100):
+        for i in range(5):
+            assert chat_all(p.port, f"u{i}", f"/s/sess{i}/parent/v1/chat/completions")[0] == 200
+        wait_for(lambda: not p.proxy._sessions, timeout=5)
