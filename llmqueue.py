@@ -3531,8 +3531,8 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
         edges: list[tuple[float, int]] = []
         for h in q["holds"]:
             a, b = max(h.start, start), min(h.end, stop)
-            if b <= a:
-                continue
+            if b < a or (b == a and not start <= h.start <= stop):
+                continue  # outside the window (a hold shorter than the log's ms still counts)
             held_tier[h.role] = held_tier.get(h.role, 0.0) + (b - a)
             held_session[h.session] = held_session.get(h.session, 0.0) + (b - a)
             edges += [(a, 1), (b, -1)]
@@ -3652,11 +3652,20 @@ def render_svg(events: list[dict[str, Any]], since: Optional[float] = None, unti
         def lane_y(session: str) -> int:
             return y + lane_h * lane_of.get(session, len(lanes))
 
-        for w in q["waits"]:
+        spans: dict[int, list[list[float]]] = {}  # waits per lane, merged when closer than a pixel
+        for w in sorted(q["waits"], key=lambda w: w.start):
             if w.end < start or w.start > stop:
                 continue
-            ly = lane_y(w.session) + lane_h // 2
-            body.append(f'<line class="wait" x1="{x(w.start):.1f}" x2="{x(w.end):.1f}" y1="{ly}" y2="{ly}"/>')
+            lane = spans.setdefault(lane_y(w.session), [])
+            a, b = x(w.start), x(w.end)
+            if lane and a - lane[-1][1] < 1.0:
+                lane[-1][1] = max(lane[-1][1], b)
+            else:
+                lane.append([a, b])
+        for ly, lane_spans in spans.items():
+            for a, b in lane_spans:
+                body.append(f'<line class="wait" x1="{a:.1f}" x2="{b:.1f}" y1="{ly + lane_h // 2}" '
+                            f'y2="{ly + lane_h // 2}"/>')
         merged: dict[tuple[int, str], list[Any]] = {}
         bars: list[list[Any]] = []
         for h in q["holds"]:
@@ -3673,18 +3682,40 @@ def render_svg(events: list[dict[str, Any]], since: Optional[float] = None, unti
             merged[slot] = bar
             bars.append(bar)
         for (ly, role), a, b, count, h in bars:
+            bar_w = max(b - a, 1.0)
             label = f"{h.session} {role}" + (f": {count} holds" if count > 1 else
                                              f": {_duration((h.end - h.start) * 1000)}, ended by {h.how}")
-            body.append(f'<rect class="hold {role}" x="{a:.1f}" y="{ly + 2}" width="{max(b - a, 1.0):.1f}" '
-                        f'height="{lane_h - 5}"><title>{escape(label)}</title></rect>')
+            tip = f"<title>{escape(label)}</title>" if bar_w >= 3 else ""  # only where one can point
+            body.append(f'<rect class="hold {role}" x="{a:.1f}" y="{ly + 2}" width="{bar_w:.1f}" '
+                        f'height="{lane_h - 5}">{tip}</rect>')
+        last_mark: dict[tuple[str, int], float] = {}  # markers closer than 3 px in a lane: one
+
+        def crowded(kind: str, ly: int, at: float) -> bool:
+            if at - last_mark.get((kind, ly), -10.0) < 3.0:
+                return True
+            last_mark[(kind, ly)] = at
+            return False
+
+        per_lane: dict[int, int] = {}
         for t, session in q["switches"]:
             if start <= t <= stop and session is not None:
-                body.append(f'<path class="mark switch" transform="translate({x(t):.1f},{lane_y(session) + lane_h // 2})" '
-                            f'd="M0,-5 L4,0 L0,5 L-4,0 Z"><title>switch to {escape(session)}</title></path>')
+                per_lane[lane_y(session)] = per_lane.get(lane_y(session), 0) + 1
+        for t, session in q["switches"]:
+            if start <= t <= stop and session is not None:
+                ly = lane_y(session)
+                if per_lane[ly] * 8 > plot:  # too dense for diamonds: a tick atop the lane
+                    if not crowded("switch", ly, x(t)):
+                        body.append(f'<line class="switch-tick" x1="{x(t):.1f}" x2="{x(t):.1f}" '
+                                    f'y1="{ly}" y2="{ly + 3}"/>')
+                elif not crowded("switch", ly, x(t)):
+                    body.append(f'<path class="mark switch" transform="translate({x(t):.1f},{ly + lane_h // 2})" '
+                                f'd="M0,-5 L4,0 L0,5 L-4,0 Z"/>')
         for h in q["holds"]:
             if not start <= h.end <= stop:
                 continue
             ly = lane_y(h.session) + lane_h // 2
+            if h.how in ("idle", "ttl") and crowded(h.how, ly, x(h.end)):
+                continue
             if h.how == "idle":
                 body.append(f'<circle class="mark idle" cx="{x(h.end):.1f}" cy="{ly}" r="3.5">'
                             f'<title>{escape(h.session)} yielded (idle)</title></circle>')
@@ -3722,6 +3753,7 @@ def render_svg(events: list[dict[str, Any]], since: Optional[float] = None, unti
         ".title{font-size:13px;font-weight:600}.grid{stroke:#e5e7eb;stroke-width:1}.axis{stroke:#6b7280}"
         f".parent{{fill:{_SVG_COLORS['parent']}}}.child{{fill:{_SVG_COLORS['child']}}}"
         f".wait{{stroke:{_SVG_COLORS['wait']};stroke-width:2}}.switch{{fill:{_SVG_COLORS['switch']}}}"
+        f".switch-tick{{stroke:{_SVG_COLORS['switch']};stroke-width:1}}"
         f".idle{{fill:{_SVG_COLORS['idle']}}}.ttl{{stroke:{_SVG_COLORS['ttl']};stroke-width:2;fill:none}}"
     )
     return "\n".join([
@@ -3730,7 +3762,10 @@ def render_svg(events: list[dict[str, Any]], since: Optional[float] = None, unti
         f"<style>{style}</style>",
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
         f'<text class="title" x="{left}" y="44">{escape(title)}</text>',
-        *legend, *axis, *body, "</svg>", "",
+        '<g id="legend">', *legend, "</g>",
+        '<g id="axis">', *axis, "</g>",
+        '<g id="lanes">', *body, "</g>",
+        "</svg>", "",
     ])
 
 
