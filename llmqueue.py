@@ -20,7 +20,6 @@ Standard library only; CPython 3.8 to 3.13.  Copy this one file anywhere and run
 
 from __future__ import annotations
 
-import argparse
 import errno
 import heapq
 import json
@@ -34,7 +33,11 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from typing import IO, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from json.encoder import encode_basestring_ascii as _json_str  # the C string encoder
+from typing import IO, TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+
+if TYPE_CHECKING:  # the commands import it when they run: the daemon's start does without
+    import argparse
 
 __version__ = "0.1.0"
 
@@ -899,7 +902,7 @@ class Scheduler:
         self._ttl_heap: list[tuple[float, int, Holder]] = []
         self._idle_heap: list[tuple[float, int, Holder]] = []
         self._idle_due: set[_Queue] = set()  # queues with idle holders that just got a waiter
-        self._tick = 0  # heap tie-breaker
+        self._tick = 0  # heap tie-breaker, and a version: it moves whenever a deadline may have
 
     # -- addressing -------------------------------------------------------------------------------
 
@@ -1023,6 +1026,11 @@ class Scheduler:
         return events
 
     # -- the sweep --------------------------------------------------------------------------------
+
+    @property
+    def deadline_version(self) -> tuple[int, int, int]:
+        """Changes whenever ``next_deadline`` may have: the caller re-asks only then."""
+        return (self._tick, len(self._idle_due), len(self._ttl_heap) + len(self._idle_heap))
 
     def next_deadline(self) -> Optional[float]:
         """The earliest ``now`` at which ``sweep`` may have work, or None when it has none."""
@@ -1382,15 +1390,36 @@ def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
     return value
 
 
+# One decoder for every request (json.loads would build a new one per call).
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_int=_parse_int)
+# Requests repeat byte for byte (every bare renew, a session's acquire and release), and a
+# Request is immutable: parse each distinct line once.  Bounded, because peers choose the bytes.
+_PARSED: dict[bytes, Request] = {}
+_PARSED_MAX = 4096
+
+
 def parse_request(line: Union[bytes, str]) -> Request:
     """One request line (without its newline) as a Request; raises ProtocolError on anything
     that is not a valid request, and nothing else."""
+    if isinstance(line, bytes):
+        hit = _PARSED.get(line)
+        if hit is not None:
+            return hit
+        req = _parse_request(line)
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[line] = req
+        return req
+    return _parse_request(line)
+
+
+def _parse_request(line: Union[bytes, str]) -> Request:
     try:
         text = line.decode("utf-8") if isinstance(line, bytes) else line
     except UnicodeDecodeError:
         raise ProtocolError("invalid UTF-8") from None
     try:
-        msg = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int)
+        msg = _DECODER.decode(text)
     except RecursionError:
         raise ProtocolError("invalid JSON: nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, and ints past the digit limit
@@ -1431,11 +1460,16 @@ _OK = b'{"op":"ok"}\n'
 
 def encode_granted(key: str, holder: Holder) -> bytes:
     """The ``granted`` reply: the key the client asked with, its session, the lease's terms, and
-    the per-queue grant sequence number."""
-    reply: dict[str, Any] = {"op": "granted", "queueKey": key, "sessionKey": holder.session}
-    reply.update(holder.terms.to_wire())
-    reply["seq"] = holder.seq
-    return _line(reply)
+    the per-queue grant sequence number.  (Built by hand: it is on every handoff's path.)"""
+    terms = holder.terms
+    return (f'{{"op":"granted","queueKey":{_json_str(key)},"sessionKey":{_json_str(holder.session)},'
+            f'"leaseTtlMs":{terms.ttl_ms},"idleYieldMs":{terms.idle_yield_ms},"seq":{holder.seq}}}\n').encode()
+
+
+def encode_beat(key: str, session: str, granted: bool) -> bytes:
+    """The reply to a keyed ``renew``."""
+    return (f'{{"op":"ok","queueKey":{_json_str(key)},"sessionKey":{_json_str(session)},'
+            f'"granted":{"true" if granted else "false"}}}\n').encode()
 
 
 def _event_record(event: Event) -> list[dict[str, Any]]:
@@ -1557,6 +1591,7 @@ class Daemon:
         self._doomed: list[_Conn] = []
         self._backlog: list[_Conn] = []
         self._starved = False  # out of descriptors, accepts paused
+        self._sweep_version: Any = None
         self._idle_since = 0.0  # when the last counted client left (or the daemon started)
         self._ever_counted = False
         self._timers: dict[str, float] = {}
@@ -1850,6 +1885,8 @@ class Daemon:
             start = nl + 1
             if c.closing:
                 return
+            if self._dirty and self._dirty[0] is not c:
+                self._settle()  # a handoff to another peer goes out before our next request
         del buf[:start]
         if buf.find(b"\n") >= 0:
             if not c.backlogged:
@@ -1888,8 +1925,7 @@ class Daemon:
                 self._send(c, _OK)
             else:
                 granted = sched.beat(req.queue_key, session, now=now)
-                self._send(c, _line({"op": "ok", "queueKey": req.queue_key, "sessionKey": session,
-                                     "granted": granted}))
+                self._send(c, encode_beat(req.queue_key, session, granted))
         elif op == "cancel":
             assert req.queue_key is not None
             self._apply(sched.cancel(req.queue_key, session, now=now))
@@ -2071,7 +2107,11 @@ class Daemon:
 
     def _arm_sweep(self) -> None:
         """Arm the sweep for the first sweep tick at or after the scheduler's next deadline;
-        with nothing due (no leases) the sweep sleeps."""
+        with nothing due (no leases) the sweep sleeps.  Skipped when nothing moved."""
+        version = self.scheduler.deadline_version
+        if version == self._sweep_version and ("sweep" in self._timers or version[2] == 0):
+            return
+        self._sweep_version = version
         due = self.scheduler.next_deadline()
         if due is None:
             self._disarm("sweep")
@@ -2420,8 +2460,13 @@ class Client:
         the daemon resolves the race itself."""
         import subprocess
 
-        command = [sys.executable or "python3", "-S", os.path.abspath(__file__),
-                   "--agent-dir", self.agent_dir]
+        # Through an import, not as a script: a script is compiled afresh on every start, an
+        # imported module loads from its __pycache__.
+        here = os.path.abspath(__file__)
+        launcher = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+                    "sys.exit(__import__(sys.argv.pop(1)).main(sys.argv[1:]))")
+        command = [sys.executable or "python3", "-S", "-c", launcher, os.path.dirname(here),
+                   os.path.splitext(os.path.basename(here))[0], "--agent-dir", self.agent_dir]
         for flag, value in zip(("--socket", "--config", "--models-json"), self._paths):
             if value:
                 command += [flag, value]
@@ -3783,6 +3828,8 @@ def _idle_exit_arg(text: str) -> int:
     try:
         return int(text)
     except ValueError:
+        import argparse
+
         raise argparse.ArgumentTypeError(f"expected milliseconds or 'never' (got {text!r})") from None
 
 
@@ -3792,11 +3839,15 @@ def _positive_arg(text: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
+        import argparse
+
         raise argparse.ArgumentTypeError(f"expected a positive integer (got {text!r})")
     return value
 
 
 def _paths_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    import argparse
+
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--agent-dir", help="the agent dir (default: $PI_CODING_AGENT_DIR, else ~/.pi/agent)")
     parser.add_argument("--socket", help="the daemon socket (default: AGENT_DIR/llm-queue.sock)")
@@ -3819,7 +3870,41 @@ def _raise_fd_limit() -> None:
         pass
 
 
+_DAEMON_FLAGS: Dict[str, Tuple[str, Callable[[str], Any]]] = {
+    "--agent-dir": ("agent_dir", str), "--socket": ("socket", str), "--config": ("config", str),
+    "--models-json": ("models_json", str), "--sweep-ms": ("sweep_ms", _positive_arg),
+    "--idle-exit-ms": ("idle_exit_ms", _idle_exit_arg),
+}
+
+
+def _daemon_args_quick(argv: list[str]) -> Optional[dict[str, Any]]:
+    """The daemon's flags without argparse (a client spawns daemons: their start is on its
+    path).  None for anything unusual -- help, a typo, a bad value -- which argparse explains."""
+    args: dict[str, Any] = {"agent_dir": None, "socket": None, "config": None, "models_json": None,
+                            "sweep_ms": DEFAULT_SWEEP_MS, "idle_exit_ms": None}
+    i = 0
+    try:
+        while i < len(argv):
+            flag, eq, value = argv[i].partition("=")
+            if flag not in _DAEMON_FLAGS:
+                return None
+            if not eq:
+                i += 1
+                if i >= len(argv):
+                    return None
+                value = argv[i]
+            name, convert = _DAEMON_FLAGS[flag]
+            args[name] = convert(value)
+            i += 1
+    except Exception:  # a bad value: let argparse say so
+        return None
+    return args
+
+
 def _cmd_daemon(argv: list[str]) -> int:
+    quick = _daemon_args_quick(argv)
+    if quick is not None:
+        return _serve(**quick)
     parser = _paths_parser("llmqueue", "Run the llmqueue daemon in the foreground.")
     parser.add_argument("--config", help="the config file (default: AGENT_DIR/llm-queue.json)")
     parser.add_argument("--models-json", help="pi's provider catalog (default: AGENT_DIR/models.json)")
@@ -3830,10 +3915,14 @@ def _cmd_daemon(argv: list[str]) -> int:
                              "(default: the config's daemonIdleExitMs, 0)")
     parser.add_argument("--version", action="version", version=f"llmqueue {__version__}")
     args = parser.parse_args(argv)
+    return _serve(args.agent_dir, args.socket, args.config, args.models_json, args.sweep_ms, args.idle_exit_ms)
+
+
+def _serve(agent_dir: Optional[str], socket: Optional[str], config: Optional[str], models_json: Optional[str],
+           sweep_ms: int, idle_exit_ms: Optional[int]) -> int:
     _raise_fd_limit()
-    daemon = Daemon(args.agent_dir, socket_path=args.socket, config_path=args.config,
-                    models_json=args.models_json, sweep_ms=args.sweep_ms,
-                    idle_exit_ms=args.idle_exit_ms)
+    daemon = Daemon(agent_dir, socket_path=socket, config_path=config, models_json=models_json,
+                    sweep_ms=sweep_ms, idle_exit_ms=idle_exit_ms)
     try:
         daemon.serve_forever()
     except AlreadyRunning as e:
@@ -4055,6 +4144,8 @@ def _cmd_run(argv: list[str]) -> int:
 
 
 def _cmd_check_config(argv: list[str]) -> int:
+    import argparse
+
     parser = argparse.ArgumentParser(prog="llmqueue check-config",
                                      description="Validate llm-queue.json and show where each key queues.")
     parser.add_argument("--agent-dir", help="the agent dir (default: $PI_CODING_AGENT_DIR, else ~/.pi/agent)")
@@ -4095,6 +4186,8 @@ def _listen_arg(text: str) -> tuple[str, int]:
     try:
         number = int(port)
     except ValueError:
+        import argparse
+
         raise argparse.ArgumentTypeError(f"expected HOST:PORT (got {text!r})") from None
     return (host.strip("[]") or "127.0.0.1"), number
 
@@ -4141,6 +4234,8 @@ def _cmd_proxy(argv: list[str]) -> int:
 
 
 def _cmd_report(argv: list[str]) -> int:
+    import argparse
+
     parser = argparse.ArgumentParser(prog="llmqueue report",
                                      description="Figures per queue, and a timeline picture, from the event log.")
     parser.add_argument("logfile", nargs="+", help="the event log (rotated files may be given together)")
