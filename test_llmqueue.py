@@ -1085,13 +1085,15 @@ def test_a_pipelining_peer_is_served_in_slices_and_others_get_their_turn() -> No
     t = threading.Thread(target=d.serve_forever, daemon=True)
     t.start()
     try:
-        flood, other = Peer(d.socket_path), Peer(d.socket_path)
-        n = 20 * lq.LINES_PER_TURN
-        flood.send(b'{"op":"renew","flood":1}\n' * n)
+        flood, other = Peer(d.socket_path, timeout=60), Peer(d.socket_path)
+        n = 200 * lq.LINES_PER_TURN  # ~1.3 MB: the sender blocks on the daemon's back-pressure
+        sender = threading.Thread(target=flood.send, args=(b'{"op":"renew","flood":1}\n' * n,), daemon=True)
+        sender.start()
         wait_for(lambda: len(handled) > lq.LINES_PER_TURN)  # the daemon is into the flood
         assert other.ask({"op": "renew"}) == {"op": "ok"}
         for _ in range(n):
             flood.recv()
+        sender.join(10)
         per_turn: dict[int, int] = {}
         for turn_no, who in handled:
             if who == "flood":
