@@ -68,6 +68,7 @@ __all__ = [
     "Session",
     "Waiter",
     "address_endpoint_key",
+    "daemon_command",
     "load_catalog",
     "load_config",
     "main",
@@ -2380,6 +2381,17 @@ def _default_warning(message: str) -> None:
     logging.getLogger("llmqueue").warning("%s", message)
 
 
+def daemon_command(agent_dir: str) -> list[str]:
+    """The command that starts a daemon for ``agent_dir``: this interpreter with ``-S`` (the daemon
+    needs no site-packages), loading this module through an import -- a script is compiled afresh
+    on every start, an imported module loads from its __pycache__."""
+    here = os.path.abspath(__file__)
+    launcher = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+                "sys.exit(__import__(sys.argv.pop(1)).main(sys.argv[1:]))")
+    return [sys.executable or "python3", "-S", "-c", launcher, os.path.dirname(here),
+            os.path.splitext(os.path.basename(here))[0], "--agent-dir", agent_dir]
+
+
 class Client:
     """A connection to the llmqueue daemon, shared by every thread of a process.
 
@@ -2473,13 +2485,7 @@ class Client:
         the daemon resolves the race itself."""
         import subprocess
 
-        # Through an import, not as a script: a script is compiled afresh on every start, an
-        # imported module loads from its __pycache__.
-        here = os.path.abspath(__file__)
-        launcher = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
-                    "sys.exit(__import__(sys.argv.pop(1)).main(sys.argv[1:]))")
-        command = [sys.executable or "python3", "-S", "-c", launcher, os.path.dirname(here),
-                   os.path.splitext(os.path.basename(here))[0], "--agent-dir", self.agent_dir]
+        command = daemon_command(self.agent_dir)
         for flag, value in zip(("--socket", "--config", "--models-json"), self._paths):
             if value:
                 command += [flag, value]
