@@ -1406,16 +1406,18 @@ def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
 
 # One decoder for every request (json.loads would build a new one per call).
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_int=_parse_int)
-# Requests repeat byte for byte (every bare renew, a session's acquire and release), and a
-# Request is immutable: parse each distinct line once.  Bounded, because peers choose the bytes.
+# Requests repeat byte for byte (every bare renew, a session's acquire, release and beats), and a
+# Request is immutable: parse each distinct line once.  Bounded in entries and in line length,
+# because peers choose the bytes: at most ~512 x 256 bytes of lines.
 _PARSED: dict[bytes, Request] = {}
-_PARSED_MAX = 4096
+_PARSED_MAX = 512
+_PARSED_LINE_MAX = 256
 
 
 def parse_request(line: Union[bytes, str]) -> Request:
     """One request line (without its newline) as a Request; raises ProtocolError on anything
     that is not a valid request, and nothing else."""
-    if isinstance(line, bytes):
+    if isinstance(line, bytes) and len(line) <= _PARSED_LINE_MAX:
         hit = _PARSED.get(line)
         if hit is not None:
             return hit
