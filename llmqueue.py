@@ -402,11 +402,37 @@ def _parse_int(digits: str) -> Any:
     return int(digits) if len(digits) <= 4000 else float(digits)
 
 
+MAX_CONFIG_BYTES = 4 * 1024 * 1024  # llm-queue.json and models.json: far more than any real one
+
+
+def _read_small_file(path: str) -> bytes:
+    """A regular file's bytes, read without ever blocking the daemon: a FIFO or a device at the
+    path (``/dev/zero`` behind a symlink) is refused as unreadable, and so is a huge file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise OSError(errno.EFBIG, f"larger than {MAX_CONFIG_BYTES} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > MAX_CONFIG_BYTES:
+                raise OSError(errno.EFBIG, f"larger than {MAX_CONFIG_BYTES} bytes")
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+
+
 def load_config(path: str) -> ConfigLoad:
     """Read and validate the config file at ``path`` (file I/O; validation stays pure)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = _read_small_file(path)
     except FileNotFoundError:
         if os.path.isdir(os.path.dirname(path) or "."):
             return ConfigLoad("missing", Config())
@@ -433,8 +459,7 @@ def read_catalog(path: Optional[str]) -> tuple[str, dict[str, str]]:
     if not path:
         return "missing", {}
     try:
-        with open(path, "rb") as f:
-            raw = json.loads(f.read().decode("utf-8"))
+        raw = json.loads(_read_small_file(path).decode("utf-8"))
     except FileNotFoundError:
         return "missing", {}
     except OSError:
@@ -1903,6 +1928,8 @@ class Daemon:
                 return
             if self._dirty and self._dirty[0] is not c:
                 self._settle()  # a handoff to another peer goes out before our next request
+                if c.closing:
+                    return  # that write found this peer gone: its remaining lines die with it
         del buf[:start]
         if buf.find(b"\n") >= 0:
             if not c.backlogged:
@@ -1912,6 +1939,8 @@ class Daemon:
             self._doom(c)
 
     def _handle_line(self, c: _Conn, line: bytes) -> None:
+        if c.closing:
+            return  # a closed peer's leftover requests must not take slots or queue
         if line.endswith(b"\r"):
             line = line[:-1]
         if not line.strip():
@@ -2437,6 +2466,7 @@ class Client:
         self._leases: dict[tuple[str, str], list[Lease]] = {}
         self._cancels: dict[tuple[str, str], int] = {}  # cancel generation per (queue, session)
         self._heard = False  # the current connection has delivered a reply
+        self._greeted = -1  # the connection generation that was sent its opening renew
         self._later: list[tuple[float, int, Callable[[], None]]] = []
         self._later_seq = 0
         self._next_bare = 0.0
@@ -2672,6 +2702,14 @@ class Client:
                 self._connect()
                 self._acquires.setdefault(key, []).append(pending)
                 generation = self._generation
+                greet = self._greeted != generation
+                self._greeted = generation
+            if greet:
+                # A fresh connection opens with a bare renew: its immediate ok proves the daemon
+                # is serving, so a connection that dies before any reply at all can only be one
+                # that met a daemon in the very act of exiting (and is asked again), never a
+                # daemon that died while we waited (which lets the waiter go: fail-open).
+                self._send({"op": "renew"}, connect=False, generation=generation)
             # On the connection it was registered on: if that one dies first, the pending is
             # released (dead) with it, never silently re-sent elsewhere.
             self._send({"op": "acquire", "queueKey": lease.queue_key, "sessionKey": lease.session_key,
