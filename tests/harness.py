@@ -153,12 +153,22 @@ class DaemonProc:
         os.replace(tmp, path)
 
     def command(self) -> list[str]:
-        return [sys.executable, MODULE, "--agent-dir", self.agent_dir, "--sweep-ms", str(self.sweep_ms), *self.args]
+        """The daemon as a client starts it (llmqueue.daemon_command: ``python -S``, through an
+        import); the suites that pin ``python3 llmqueue.py`` itself run the script directly."""
+        import llmqueue
+
+        return [*llmqueue.daemon_command(self.agent_dir)[:-2], *self.flags()]
+
+    def flags(self) -> list[str]:
+        """The daemon's command-line flags."""
+        return ["--agent-dir", self.agent_dir, "--sweep-ms", str(self.sweep_ms), *self.args]
 
     def start(self, wait: bool = True) -> DaemonProc:
+        env = dict(self.env if self.env is not None else os.environ)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # hundreds of daemon starts: use the bytecode cache
         with open(self.stderr_path, "ab") as err:
             self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                         env=self.env)
+                                         env=env)
         if wait:
             self.wait_ready()
         return self

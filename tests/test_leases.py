@@ -684,7 +684,7 @@ class Racer(DaemonProc):
 
     def spawn(self, gun: int) -> None:
         with open(self.stderr_path, "ab") as err:
-            self.proc = subprocess.Popen([sys.executable, "-c", RACER, MODULE, *self.command()[2:]],
+            self.proc = subprocess.Popen([sys.executable, "-c", RACER, MODULE, *self.flags()],
                                          stdin=gun, stdout=subprocess.PIPE, stderr=err)
 
     def on_your_marks(self) -> None:
