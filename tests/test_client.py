@@ -504,6 +504,13 @@ def test_threads_sharing_one_client_never_overlap(daemon: DaemonProc) -> None:
 # -- the commands ---------------------------------------------------------------------------------
 
 
+def default_sigint() -> None:
+    """In the child before exec: Ctrl-C as a terminal delivers it, whatever this process inherited
+    (a job started in the background, as CI may be, has SIGINT ignored, and Python then never
+    raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(*args: str, timeout: float = 30, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, MODULE, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
 
@@ -559,7 +566,7 @@ def test_status_counters_in_the_reply_and_in_prometheus_format() -> None:
 
 def test_status_watch_redraws_in_place_until_interrupted(daemon: DaemonProc) -> None:
     proc = subprocess.Popen([sys.executable, MODULE, "status", "--watch", "0.1", "--agent-dir", daemon.agent_dir],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     time.sleep(0.6)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=10)
@@ -583,7 +590,8 @@ def test_run_waits_for_the_slot_and_ctrl_c_while_queued_cancels_cleanly(daemon: 
     with daemon.peer() as holder:
         holder.ask({"op": "acquire", "queueKey": K, "sessionKey": "H"})
         proc = subprocess.Popen([sys.executable, MODULE, "run", "--agent-dir", daemon.agent_dir, "--queue", K,
-                                 "--session", "R", "--", "true"], stderr=subprocess.PIPE, text=True)
+                                 "--session", "R", "--", "true"], stderr=subprocess.PIPE, text=True,
+                                preexec_fn=default_sigint)
         wait_for(lambda: daemon.waiting(K) == ["R"])
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=10)
