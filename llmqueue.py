@@ -58,6 +58,7 @@ __all__ = [
     "Proxy",
     "Lease",
     "LeaseTerms",
+    "Moved",
     "LLMQueueError",
     "OverCapacity",
     "ProtocolError",
@@ -720,7 +721,7 @@ class Holder:
         self.group = group
         self.activity = activity
         self.terms = terms
-        self.seq = seq  # per-queue grant sequence number: a fencing token for history checks
+        self.seq = seq  # grant number, daemon-wide: strictly increasing per queue, a fencing token
         self.key = key  # the queueKey it was granted for; re-addressed on reload
         self.granted_at = now
         self.last_beat = now
@@ -817,6 +818,15 @@ class Evicted(NamedTuple):
     reason: str = "ttl"
 
 
+class Moved(NamedTuple):
+    """A reload moved a holder's slot or a waiting request from queue ``source`` to queue
+    ``queue_key`` (logged, so a replay of the log follows it)."""
+
+    queue_key: str
+    source: str
+    who: Union[Holder, Waiter]
+
+
 class OverCapacity(NamedTuple):
     """A reload left more holders than the queue's new ``maxStreams``; they keep their slots."""
 
@@ -825,7 +835,7 @@ class OverCapacity(NamedTuple):
     max_streams: int
 
 
-Event = Union[Granted, Queued, Dequeued, Released, Evicted, OverCapacity]
+Event = Union[Granted, Queued, Dequeued, Released, Evicted, Moved, OverCapacity]
 
 
 class _Queue:
@@ -835,7 +845,7 @@ class _Queue:
 
     __slots__ = (
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
-        "grants", "seq", "parent_grants", "child_mark", "idle", "queued", "idle_yields", "evictions",
+        "grants", "parent_grants", "child_mark", "idle", "queued", "idle_yields", "evictions",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -849,7 +859,6 @@ class _Queue:
         self.dead = [0, 0]  # dead entries per heap, for compaction
         self.switches = 0
         self.grants = 0
-        self.seq = 0
         self.parent_grants = 0  # parent grants ever; a child's slot-aging counts from its mark
         self.child_mark = 0  # parent_grants at the last child grant: "in a row" restarts there
         self.idle: OrderedDict[Holder, None] = OrderedDict()  # holders idle past their window
@@ -929,6 +938,9 @@ class Scheduler:
         self._queues: dict[str, _Queue] = {}
         self._forgettable: OrderedDict[str, None] = OrderedDict()  # empty, unconfigured queues
         self._seq = 0  # waiter enqueue order, scheduler-wide
+        # Grant numbers, scheduler-wide: so per queue they only grow, even for a queue that was
+        # forgotten and made again, or that a reload assembled from others.
+        self._grant_seq = 0
         self._conn_leases: dict[Any, set[Holder]] = {}
         self._conn_waiters: dict[Any, set[Waiter]] = {}
         self._session_waiters: dict[str, set[Waiter]] = {}
@@ -1140,17 +1152,19 @@ class Scheduler:
         events: list[Event] = []
         for h in holders:
             q = self._queue_for(h.key)
+            if h.queue.key != q.key:
+                events.append(Moved(q.key, h.queue.key, h))
             h.queue = q
             h.terms = h.terms.grown(q.policy.lease_ttl_ms)  # a longer TTL applies at once
             if h.session in q.holders:
                 q.extra.append(h)  # the same session held in two queues that merged: both stay
             else:
                 q.holders[h.session] = h
-            q.seq = max(q.seq, h.seq)
             if h.idle_at is not None:
                 self._push(self._idle_heap, h.idle_at, h)
         for w in waiters:
             self._unlink_waiter(w)
+            source = w.queue.key
             groups: dict[_Queue, list[Target]] = {}
             for target in w.targets:
                 groups.setdefault(self._queue_for(target[1]), []).append(target)
@@ -1165,15 +1179,17 @@ class Scheduler:
                     mine.live = False
                     for conn, _ in targets:
                         self._attach(holding, conn)
-                    events.append(Dequeued(q.key, mine, "merged"))
+                    events.append(Dequeued(source, mine, "merged"))  # logged where it waited
                     events.append(Granted(q.key, holding, tuple(targets), new=False))
                 elif waiting is not None:  # it already waits there: one request, every asker
                     mine.live = False
                     for target in targets:
                         waiting.targets.setdefault(target, None)
                         self._conn_waiters.setdefault(target[0], set()).add(waiting)
-                    events.append(Dequeued(q.key, mine, "merged"))
+                    events.append(Dequeued(source, mine, "merged"))
                 else:
+                    if q.key != source:
+                        events.append(Moved(q.key, source, mine))
                     if mine.queue is not q:
                         mine.parent_mark = q.parent_grants  # slot aging restarts in a new queue
                     mine.queue = q
@@ -1261,13 +1277,13 @@ class Scheduler:
 
     def _grant(self, q: _Queue, session: str, tier: int, group: Optional[str], activity: bool,
                key: str, now: float) -> Holder:
-        q.seq += 1
+        self._grant_seq += 1
         q.grants += 1
         if tier == PARENT:
             q.parent_grants += 1
         else:
             q.child_mark = q.parent_grants
-        holder = Holder(q, session, tier, group, activity, LeaseTerms.of(q.policy), q.seq, key, now)
+        holder = Holder(q, session, tier, group, activity, LeaseTerms.of(q.policy), self._grant_seq, key, now)
         q.holders[session] = holder
         self._held += 1
         self._push(self._ttl_heap, holder.expires_at, holder)
@@ -1526,6 +1542,10 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
         w = event.waiter
         return [{"event": "dequeue", "queueKey": event.queue_key, "sessionKey": w.session,
                  "role": ROLES[w.role], "reason": event.reason}]
+    if isinstance(event, Moved):
+        who = event.who
+        return [{"event": "move", "queueKey": event.queue_key, "from": event.source, "sessionKey": who.session,
+                 "role": ROLES[who.role], "what": "holder" if isinstance(who, Holder) else "waiter"}]
     holder = event.holder
     base = {"queueKey": event.queue_key, "sessionKey": holder.session, "role": ROLES[holder.role]}
     if isinstance(event, Granted):
@@ -2090,17 +2110,19 @@ class Daemon:
         """Is it safe to exit for idleness?  Not while a connection is arriving or a peer has
         sent something not yet read: that client would find a daemon that vanishes under it."""
         assert self._listener is not None
-        ready = selectors.DefaultSelector()
+        if self._starved or self._backlog or any(c.inbuf for c in self._conns if not c.closing):
+            return False  # requests received but not handled yet, or connections being refused
+        import select
+
         try:
-            ready.register(self._listener, selectors.EVENT_READ)
+            ready = select.poll()  # needs no descriptor of its own: safe when we are out of them
+            ready.register(self._listener, select.POLLIN)
             for c in self._conns:
                 if not c.closing:
-                    ready.register(c.sock, selectors.EVENT_READ)
-            return not ready.select(0)
-        except (OSError, ValueError):
+                    ready.register(c.sock, select.POLLIN)
+            return not ready.poll(0)
+        except (OSError, ValueError, AttributeError):
             return True
-        finally:
-            ready.close()
 
     # -- timers -----------------------------------------------------------------------------------
 
@@ -2140,8 +2162,8 @@ class Daemon:
                 if self._exit_now():
                     self.exit_reason = "idle"
                     self._stopping = True
-                else:
-                    self._arm("exit", self._now + 1.0)  # look again after the next turn's input
+                else:  # look again after the next turn's input (or the accept pause)
+                    self._arm("exit", self._now + (ACCEPT_PAUSE_MS if self._starved else 1.0))
             elif name == "accept" and self._listener is not None:
                 self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
 
@@ -2256,10 +2278,11 @@ class Daemon:
             return
         ts = _iso_utc(time.time())
         data = "".join(json.dumps(dict(line, ts=ts), separators=(",", ":")) + "\n" for line in lines).encode()
+        path = os.path.join(os.path.dirname(os.path.abspath(self.config_path)), os.path.expanduser(path))
         try:
             # Never block the loop on the log: a FIFO or a device there is refused, not opened
             # for a write that waits for a reader.
-            fd = os.open(os.path.expanduser(path),
+            fd = os.open(path,
                          os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
         except (OSError, ValueError):
             return
@@ -2417,7 +2440,9 @@ def daemon_command(agent_dir: str) -> list[str]:
     needs no site-packages), loading this module through an import -- a script is compiled afresh
     on every start, an imported module loads from its __pycache__."""
     here = os.path.abspath(__file__)
-    launcher = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+    # sys.path[0] is the module's own directory, as for ``python llmqueue.py``: with -c it would be
+    # the current directory, where a stray json.py of the caller's project could shadow ours.
+    launcher = ("import sys; sys.path[0] = sys.argv.pop(1); "
                 "sys.exit(__import__(sys.argv.pop(1)).main(sys.argv[1:]))")
     return [sys.executable or "python3", "-S", "-c", launcher, os.path.dirname(here),
             os.path.splitext(os.path.basename(here))[0], "--agent-dir", agent_dir]
@@ -2499,6 +2524,10 @@ class Client:
 
     # -- the connection -----------------------------------------------------------------------
 
+    def _owner(self, queue_key: str, session_key: str) -> tuple[str, str]:
+        """The (queue, session) the daemon counts a slot by: two spellings of one queue are one."""
+        return self.addressing.address_endpoint(queue_key)[0], session_key
+
     def _try_connect(self) -> Optional[socket.socket]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -2527,7 +2556,7 @@ class Client:
         try:
             self._spawned.append(subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True))
+                stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True, cwd="/"))
         except OSError:
             pass  # the connect below reports the daemon as unreachable
 
@@ -2544,13 +2573,18 @@ class Client:
             self._spawn()
             deadline = time.monotonic() + self.spawn_timeout
             pause = 0.005
+            respawn_at = 0.0
             while sock is None and time.monotonic() < deadline:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.1)
                 sock = self._try_connect()
-                if sock is None and self._spawned and all(p.poll() is not None for p in self._spawned):
-                    # Ours gave way to a daemon that has since gone too (an idle-exit): start
-                    # another; the daemons settle between themselves which one serves.
+                now = time.monotonic()
+                if (sock is None and now >= respawn_at and self._spawned
+                        and all(p.poll() == 0 for p in self._spawned)):
+                    # Ours gave way (exit 0) to a daemon that has since gone too (an idle-exit):
+                    # start another; the daemons settle between themselves which one serves.  A
+                    # daemon that failed (a bad socket path, say) is not started again.
+                    respawn_at = now + 0.2
                     self._spawn()
         if sock is None:
             self._spawn_backoff_until = time.monotonic() + SPAWN_BACKOFF_S
@@ -2609,7 +2643,7 @@ class Client:
                     pending.resolve(reply)
             elif op == "ok" and "granted" in reply:
                 if reply.get("granted") is False:
-                    for lease in self._leases.get(key, ()):
+                    for lease in self._leases.get(self._owner(*key), ()):
                         if lease.queued:
                             lease.lost = True
                 waiting = self._beats.get(key)
@@ -2682,7 +2716,7 @@ class Client:
 
     def _wait_for_grant(self, lease: Lease, timeout: Optional[float]) -> None:
         with self._cv:
-            cancels = self._cancels.get((lease.queue_key, lease.session_key), 0)
+            cancels = self._cancels.get(self._owner(lease.queue_key, lease.session_key), 0)
         for attempt in range(1, SILENT_RETRIES + 2):
             pending = self._request_grant(lease, timeout)
             if pending is None:
@@ -2705,6 +2739,8 @@ class Client:
                 greet = self._greeted != generation
                 self._greeted = generation
             if greet:
+                with self._cv:
+                    self._heard = False  # from here on: has this connection answered anything?
                 # A fresh connection opens with a bare renew: its immediate ok proves the daemon
                 # is serving, so a connection that dies before any reply at all can only be one
                 # that met a daemon in the very act of exiting (and is asked again), never a
@@ -2751,21 +2787,27 @@ class Client:
                     if position is not None and self.on_position is not None:
                         self.on_position(lease, position)
         except BaseException:
-            # Ctrl-C, a timeout, a failing callback: the request must not stay queued.
+            # Ctrl-C, a timeout, a failing callback: the request must not stay queued -- unless
+            # another thread still waits for, or holds, this session's slot (they share it).
+            owner = self._owner(lease.queue_key, lease.session_key)
             with self._cv:
                 mine = self._acquires.get(key, [])
                 if pending in mine:
                     mine.remove(pending)
                     if not mine:
                         del self._acquires[key]
-            # cancel drops the waiter, and releases the slot if the grant won the race.
-            self._quietly({"op": "cancel", "queueKey": lease.queue_key, "sessionKey": lease.session_key})
+                shared = bool(self._leases.get(owner)) or any(
+                    self._owner(*asked) == owner for asked in self._acquires)
+            if not shared:  # cancel drops the waiter, and releases the slot if the grant won the race
+                self._quietly({"op": "cancel", "queueKey": lease.queue_key, "sessionKey": lease.session_key})
             raise
         return pending
 
     def _take_grant(self, lease: Lease, pending: _Pending, cancels: int) -> None:
-        key = (lease.queue_key, lease.session_key)
+        key = self._owner(lease.queue_key, lease.session_key)
         with self._cv:
+            if self._closed:
+                raise LLMQueueError(f"the client was closed while {lease.session_key} waited")
             cancelled = pending.cancelled or self._cancels.get(key, 0) != cancels
         if cancelled:
             if pending.reply is not None:  # granted, but an abort came first: give it back
@@ -2782,16 +2824,21 @@ class Client:
         lease.lost = False
         lease.released = False
         with self._cv:
-            if self._cancels.get(key, 0) != cancels:  # an abort raced the grant to here
+            if self._closed:
+                raise LLMQueueError(f"the client was closed while {lease.session_key} waited")
+            raced = self._cancels.get(key, 0) != cancels  # an abort raced the grant to here
+            if raced:
                 lease.released = True
-                self._quietly({"op": "cancel", "queueKey": lease.queue_key, "sessionKey": lease.session_key})
-                raise Cancelled(f"{lease.session_key}: cancelled while queued for {lease.queue_key}")
-            lease._next_beat = time.monotonic() + lease.terms.refresh_period_ms() / 1000.0
-            group = self._leases.setdefault(key, [])
-            if lease not in group:
-                group.append(lease)
-            self._start_worker()
-            self._cv.notify_all()
+            else:
+                lease._next_beat = time.monotonic() + lease.terms.refresh_period_ms() / 1000.0
+                group = self._leases.setdefault(key, [])
+                if lease not in group:
+                    group.append(lease)
+                self._start_worker()
+                self._cv.notify_all()
+        if raced:  # sent outside the lock: a send never waits while holding it
+            self._quietly({"op": "cancel", "queueKey": lease.queue_key, "sessionKey": lease.session_key})
+            raise Cancelled(f"{lease.session_key}: cancelled while queued for {lease.queue_key}")
 
     def _quietly(self, message: dict[str, Any]) -> None:
         try:
@@ -2802,11 +2849,17 @@ class Client:
     def cancel(self, queue_key: str, session_key: str) -> None:
         """Esc for a session: its queued acquire (in any thread) raises Cancelled, and a slot it
         holds is released.  The daemon does both at once."""
-        key = (queue_key, session_key)
+        key = self._owner(queue_key, session_key)
         with self._cv:
+            if len(self._cancels) > 1024:  # forget the sessions nothing waits on or holds any more
+                busy = {self._owner(*k) for k in self._acquires} | set(self._leases)
+                self._cancels = {k: v for k, v in self._cancels.items() if k in busy}
             self._cancels[key] = self._cancels.get(key, 0) + 1
-            for pending in self._acquires.pop(key, ()):
-                pending.resolve(cancelled=True)
+            for asked, pendings in list(self._acquires.items()):
+                if self._owner(*asked) == key:
+                    del self._acquires[asked]
+                    for pending in pendings:
+                        pending.resolve(cancelled=True)
             for lease in self._leases.pop(key, ()):
                 lease.released = True
         self._quietly({"op": "cancel", "queueKey": queue_key, "sessionKey": session_key})
@@ -2819,7 +2872,7 @@ class Client:
                 self.cancel(lease.queue_key, lease.session_key)
                 lease.released = True
             return
-        key = (lease.queue_key, lease.session_key)
+        key = self._owner(lease.queue_key, lease.session_key)
         with self._cv:
             if lease.released:
                 return
@@ -3577,7 +3630,16 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             q["waiting"][session] = (t, role)
         elif kind == "dequeue" and session is not None and session in q["waiting"]:
             start, was = q["waiting"].pop(session)
-            q["waits"].append(Wait(session, was, start, t, False))
+            if e.get("reason") != "merged":  # merged: it went on waiting (or holding) elsewhere
+                q["waits"].append(Wait(session, was, start, t, False))
+        elif kind == "move" and session is not None:  # a reload moved it from another queue
+            src = queues.get(str(e.get("from")))
+            if src is not None and e.get("what") == "holder" and session in src["open"]:
+                start, was, switch = src["open"].pop(session)
+                src["holds"].append(Hold(session, was, start, t, "moved", switch))
+                q["open"][session] = (t, role, False)
+            elif src is not None and session in src["waiting"]:
+                q["waiting"][session] = src["waiting"].pop(session)
         elif kind == "grant" and session is not None:
             q["grants"].append(t)
             queued = q["waiting"].pop(session, None)
@@ -3949,8 +4011,8 @@ def _daemon_args_quick(argv: list[str]) -> Optional[dict[str, Any]]:
                 return None
             if not eq:
                 i += 1
-                if i >= len(argv):
-                    return None
+                if i >= len(argv) or argv[i].startswith("--"):
+                    return None  # a missing value: argparse says so
                 value = argv[i]
             name, convert = _DAEMON_FLAGS[flag]
             args[name] = convert(value)

@@ -510,7 +510,9 @@ def test_merging_two_endpoints_into_a_group_keeps_both_holders_over_capacity() -
     cfg, errors, _ = lq.validate_config({"queues": {"one-gpu": {"match": [a, b], "maxStreams": 1}}})
     assert not errors
     events = s.reconfigure(lq.Addressing(cfg), now=T0 + 3)
-    assert events == [lq.OverCapacity("one-gpu", 2, 1)]
+    assert events[-1] == lq.OverCapacity("one-gpu", 2, 1)
+    moves = [(e.source, e.queue_key, e.who.session) for e in events if isinstance(e, lq.Moved)]
+    assert moves == [(a, "one-gpu", "A"), (b, "one-gpu", "B"), (a, "one-gpu", "W")]  # logged: replays follow
     assert holders(s, "one-gpu") == ["A", "B"] and waiters(s, "one-gpu") == ["W"]
     assert holders(s, a) == ["A", "B"]  # a member key now names the group
     assert granted(s.release(a, "A", now=T0 + 4)) == []  # still at capacity: no grant
@@ -1106,3 +1108,15 @@ def test_a_pipelining_peer_is_served_in_slices_and_others_get_their_turn() -> No
     finally:
         d.stop()
         t.join(5)
+
+
+def test_grant_numbers_only_grow_per_queue_even_when_a_queue_is_forgotten_and_made_again() -> None:
+    s = make()
+    seen: dict[str, list[int]] = {}
+    for i in range(lq.MAX_QUEUES * 2 + 10):
+        key = f"http://q/{i % (lq.MAX_QUEUES + 5)}"  # more keys than are kept: some are forgotten
+        g = s.acquire("c", key, "A", now=T0 + i)[0]
+        assert isinstance(g, lq.Granted)
+        seen.setdefault(key, []).append(g.holder.seq)
+        s.release(key, "A", now=T0 + i)
+    assert all(seqs == sorted(seqs) and len(set(seqs)) == len(seqs) for seqs in seen.values())

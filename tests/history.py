@@ -655,7 +655,23 @@ class HistoryChecker:
             if w is None:
                 r.add("consistency", key, f"dequeue of {session}, which waits for nothing", at)
                 return
+            if line.get("reason") == "merged":
+                return  # a reload folded it into the same session's request or slot elsewhere
             self._dequeued.append((q.key, w, str(line.get("reason")), ts, n))
+        elif event == "move":  # a reload moved a holder or a waiter here from another queue
+            src = self.queues.get(str(line.get("from")))
+            if line.get("what") == "holder":
+                lease = src.holders.pop(session, None) if src is not None else None
+                if lease is None:
+                    r.add("consistency", key, f"a move of holder {session}, which holds nothing there", at)
+                    return
+                q.holders.setdefault(session, lease)  # a session's twin leases count once here
+            else:
+                w = src.waiting.pop(session, None) if src is not None else None
+                if w is None:
+                    r.add("consistency", key, f"a move of waiter {session}, which waits for nothing there", at)
+                    return
+                q.waiting.setdefault(session, w)
         else:
             r.add("consistency", key, f"unknown event {event!r}", at)
 

@@ -56,6 +56,7 @@ class FakeDaemon:
         self.listener.bind(self.path)
         self.listener.listen(8)
         self.conns: list[socket.socket] = []
+        self.threads: list[threading.Thread] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -66,7 +67,9 @@ class FakeDaemon:
             except OSError:
                 return
             self.conns.append(conn)
-            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+            t = threading.Thread(target=self._talk, args=(conn,), daemon=True)
+            self.threads.append(t)
+            t.start()
 
     def _talk(self, conn: socket.socket) -> None:
         buf = b""
@@ -87,7 +90,7 @@ class FakeDaemon:
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                msg = json.loads(line)
+                msg = json.loads(line)  # the client sends nothing else: a failure here is a finding
                 self.lines.append((time.monotonic(), msg))
                 self.reply(msg, send)
 
@@ -95,6 +98,16 @@ class FakeDaemon:
         return [(t, m) for t, m in self.lines if m.get("op") == op]
 
     def close(self) -> None:
+        """Wake every thread blocked on a socket (shutdown) and wait for it before closing: a
+        socket closed under a blocked thread frees its descriptor number for the next test's
+        sockets, and that thread could then read their bytes."""
+        for s in [self.listener, *self.conns]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in [self.thread, *self.threads]:
+            t.join(5)
         self.listener.close()
         for c in self.conns:
             c.close()
@@ -765,3 +778,95 @@ def test_a_client_arriving_as_the_daemon_idle_exits_is_still_queued() -> None:
 @pytest.mark.slow
 def test_a_client_arriving_as_the_daemon_idle_exits_is_still_queued_stress() -> None:
     check_idle_exit_instant(threads=6, rounds=40)
+
+
+# -- second review: shared sessions under timeouts, spellings, the launcher, close ---------------------
+
+
+def test_a_timed_out_acquire_does_not_strand_another_threads_wait_for_the_same_session(daemon: DaemonProc) -> None:
+    with client_for(daemon) as c, daemon.peer() as holder:
+        holder.ask({"op": "acquire", "queueKey": K, "sessionKey": "H"})
+        got: list[lq.Lease] = []
+        patient = threading.Thread(target=lambda: got.append(c.acquire(K, "S")), daemon=True)
+        patient.start()
+        wait_for(lambda: daemon.waiting(K) == ["S"])
+        with pytest.raises(TimeoutError):
+            c.acquire(K, "S", timeout=0.3)  # the same session, an impatient thread
+        assert daemon.waiting(K) == ["S"]  # the shared request stays queued
+        holder.ask({"op": "release", "queueKey": K, "sessionKey": "H"})
+        patient.join(5)
+        assert got and got[0].held
+
+
+def test_two_spellings_of_one_queue_in_one_session_share_one_count(daemon: DaemonProc) -> None:
+    """The daemon counts a session's slot by its queue; so does the client, whatever spelling."""
+    with client_for(daemon) as c, daemon.peer() as other:
+        one = c.acquire(K + "/", "S")
+        two = c.acquire(K, "S")
+        one.release()
+        other.send({"op": "acquire", "queueKey": K, "sessionKey": "T"})
+        assert other.silent(0.3)  # S still holds it for `two`
+        assert daemon.holders(K) == ["S"] and two.beat()
+        two.release()
+        assert other.recv()["sessionKey"] == "T"
+
+
+def test_the_spawned_daemon_never_imports_from_the_callers_directory() -> None:
+    d = short_tmpdir()
+    project = short_tmpdir()
+    with open(os.path.join(project, "json.py"), "w") as f:
+        f.write("raise SystemExit('the daemon imported the caller json.py')\n")
+    with open(os.path.join(d, "llm-queue.json"), "w") as f:
+        json.dump({"defaults": {"daemonIdleExitMs": 100}}, f)
+    here = os.getcwd()
+    os.chdir(project)
+    try:
+        with lq.Client(d) as c:
+            lease = c.acquire(K, "S", timeout=20)
+            assert lease.queued  # a real daemon started and served it
+            lease.release()
+    finally:
+        os.chdir(here)
+
+
+def test_a_daemon_that_cannot_start_is_not_spawned_again_and_again() -> None:
+    d = short_tmpdir()
+    with open(os.path.join(d, "llm-queue.sock"), "w") as f:
+        f.write("not a socket")  # every daemon refuses this path and exits 1
+    c = lq.Client(d, spawn_timeout=2.0, on_warning=lambda m: None)
+    try:
+        lease = c.acquire(K, "S")
+        assert not lease.queued
+        assert len(c._spawned) + sum(1 for p in c._spawned if p.poll() is not None) <= 3
+    finally:
+        c.close()
+        for p in c._spawned:
+            p.wait(5)
+
+
+def test_a_waiter_interrupted_by_close_raises_instead_of_running_unqueued(daemon: DaemonProc) -> None:
+    c = client_for(daemon, on_warning=lambda m: None)
+    with daemon.peer() as holder:
+        holder.ask({"op": "acquire", "queueKey": K, "sessionKey": "H"})
+        outcome: list[Any] = []
+
+        def wait() -> None:
+            try:
+                outcome.append(c.acquire(K, "W"))
+            except BaseException as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        wait_for(lambda: daemon.waiting(K) == ["W"])
+        c.close()
+        t.join(5)
+        assert len(outcome) == 1 and isinstance(outcome[0], lq.LLMQueueError), outcome
+
+
+def test_cancel_bookkeeping_stays_bounded() -> None:
+    c = lq.Client(short_tmpdir(), autostart=False, on_warning=lambda m: None)
+    for i in range(3000):
+        c.cancel(K, f"s{i}")
+    assert len(c._cancels) <= 1100
+    c.close()

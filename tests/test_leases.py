@@ -893,3 +893,19 @@ def test_idle_exit_rearming_never_piles_up_stale_timers() -> None:
     finally:
         d.stop()
         t.join(5)
+
+
+def test_idle_exit_waits_for_requests_already_received_but_not_yet_handled() -> None:
+    """The last counted client leaves while another peer's acquire sits behind a long run of
+    input the daemon is still working through: it is served, not dropped with the daemon."""
+    with DaemonProc(config={"defaults": {"daemonIdleExitMs": 0}}, inject_idle_exit=False) as d:
+        d.start()
+        a, b = d.peer(), d.peer(timeout=30)
+        a.ask(acquire(K, "A"))
+        sender = threading.Thread(target=b.send, args=(b"\n" * 400_000 + json.dumps(acquire(K, "B")).encode() + b"\n",),
+                                  daemon=True)
+        sender.start()
+        time.sleep(0.05)
+        a.send({"op": "bye"})
+        assert b.recv()["op"] == "granted"
+        sender.join(10)

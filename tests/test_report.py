@@ -200,3 +200,33 @@ def test_a_real_daemons_log_gives_the_figures_of_its_workload() -> None:
     assert q["waits"]["child"]["p50Ms"] >= q["waits"]["parent"]["p50Ms"] >= 200
     assert q["heldMsBySession"]["A"] >= 200 and set(q["heldMsBySession"]) == {"A", "B", "C"}
     assert 0 < q["utilisation"] <= 1
+
+
+def test_a_log_spanning_a_regrouping_reload_replays_cleanly() -> None:
+    """A reload that merges two queues moves their holder and waiter; the log says so (``move``
+    lines), so the report and the history checker follow them instead of losing them."""
+    from tests.history import check_history
+
+    log = os.path.join(short_tmpdir(), "events.log")
+    a_url, b_url = "http://a:1/v1", "http://b:1/v1"
+    for d in started(config={"defaults": {"logFile": log}}):
+        s, t, w = d.peer(), d.peer(), d.peer()
+        s.ask({"op": "acquire", "queueKey": a_url, "sessionKey": "S"})
+        t.ask({"op": "acquire", "queueKey": b_url, "sessionKey": "T"})
+        w.send({"op": "acquire", "queueKey": b_url, "sessionKey": "W"})
+        wait_for(lambda: d.waiting(b_url) == ["W"])
+        d.write_config({"defaults": {"logFile": log, "daemonIdleExitMs": 10**9},
+                        "queues": {"g": {"match": [a_url, b_url], "maxStreams": 1}}})
+        wait_for(lambda: d.holders("g") == ["S", "T"], timeout=5)
+        s.ask({"op": "release", "queueKey": a_url, "sessionKey": "S"})
+        t.ask({"op": "release", "queueKey": b_url, "sessionKey": "T"})
+        assert w.recv()["sessionKey"] == "W"
+        w.ask({"op": "release", "queueKey": b_url, "sessionKey": "W"})
+        wait_for(lambda: any('"W"' in l and '"release"' in l for l in open(log)))
+    events = [json.loads(l) for l in open(log)]
+    assert [e["event"] for e in events].count("move") == 3
+    r = report(log)["queues"]
+    assert set(r) >= {"g", a_url, b_url}
+    assert r["g"]["waits"]["parent"]["count"] == 1 and r[b_url]["abandonedWaits"] == 0
+    assert r["g"]["heldMsBySession"].keys() >= {"S", "T", "W"}
+    assert check_history(events, [], sweep_ms=20).violations == []
