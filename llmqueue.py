@@ -1859,10 +1859,14 @@ class Daemon:
         if self._reload_now:
             self._reload_now = False
             self._load_config()
-        self._run_timers()
-        self._settle()
+            self._settle()
+        nxt = self._next_timer()
+        if nxt is not None and nxt <= self._now:
+            self._run_timers()
+            self._settle()
         self._arm_sweep()
-        self._flush_log()
+        if self._log_lines:
+            self._flush_log()
 
     def _settle(self) -> None:
         """Write what is pending, in the order it became pending, and close doomed peers."""
@@ -1923,6 +1927,9 @@ class Daemon:
         if not data:
             self._doom(c)
             return
+        if not c.inbuf and len(data) <= MAX_LINE_BYTES + 1 and data.find(b"\n") == len(data) - 1:
+            self._handle_line(c, data[:-1])  # the common case: exactly one whole request
+            return
         c.inbuf += data
         if data.find(b"\n") < 0:  # no new complete line: only the partial one grew
             if len(c.inbuf) > MAX_LINE_BYTES:
@@ -1961,15 +1968,17 @@ class Daemon:
     def _handle_line(self, c: _Conn, line: bytes) -> None:
         if c.closing:
             return  # a closed peer's leftover requests must not take slots or queue
-        if line.endswith(b"\r"):
-            line = line[:-1]
-        if not line.strip():
-            return
-        try:
-            req = parse_request(line)
-        except ProtocolError as e:
-            self._send(c, _line({"op": "error", "reason": str(e)}))
-            return
+        req = _PARSED.get(line)  # the common case: a line seen before, parsed once
+        if req is None:
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if not line.strip():
+                return
+            try:
+                req = parse_request(line)
+            except ProtocolError as e:
+                self._send(c, _line({"op": "error", "reason": str(e)}))
+                return
         op = req.op
         now = self._now
         sched = self.scheduler
