@@ -13,7 +13,9 @@ The module reads top to bottom in dependency order:
    touches a socket, a file or a clock: every decision takes ``now`` and returns events;
 3. the wire protocol (request parsing, reply encoding);
 4. the daemon: a single-threaded ``selectors`` loop with a timer heap and mtime polling;
-5. the command line and ``main()``.
+5. the client library (``Client``, ``Lease``, ``Session``) and the proxy built on it;
+6. reading the event log (``llmqueue report``);
+7. the command line and ``main()``.
 
 Standard library only; CPython 3.8 to 3.13.  Copy this one file anywhere and run it.
 """
@@ -47,7 +49,6 @@ __all__ = [
     "Cancelled",
     "Client",
     "Config",
-    "ConfigError",
     "Daemon",
     "DaemonError",
     "Dequeued",
@@ -68,7 +69,6 @@ __all__ = [
     "Scheduler",
     "Session",
     "Waiter",
-    "address_endpoint_key",
     "daemon_command",
     "load_catalog",
     "load_config",
@@ -126,9 +126,10 @@ DEFAULT_BLOCKING_TOOLS = (
 # =================================================================================================
 # Errors
 #
-# One root.  A peer's fault (ProtocolError) costs that peer an error reply and nothing else; a bad
-# config file (ConfigError) keeps the last good config; a daemon that cannot serve raises
-# DaemonError.  A bug of ours is none of these and fails loudly.
+# One root.  A peer's fault (ProtocolError) costs that peer an error reply and nothing else; a
+# daemon that cannot serve raises DaemonError, a client that cannot reach one DaemonUnavailable.
+# A bad config file is not an exception: validation returns every violation, and the daemon keeps
+# the last good config.  A bug of ours is none of these and fails loudly.
 # =================================================================================================
 
 
@@ -138,14 +139,6 @@ class LLMQueueError(Exception):
 
 class ProtocolError(LLMQueueError):
     """A request that cannot be served as sent: the peer gets ``{"op":"error","reason":...}``."""
-
-
-class ConfigError(LLMQueueError):
-    """A config file with violations; ``errors`` lists every one, path-named."""
-
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__("; ".join(errors))
-        self.errors = errors
 
 
 class DaemonError(LLMQueueError):
@@ -620,11 +613,6 @@ class Addressing:
         return provider or ""
 
 
-def address_endpoint_key(key: str, config: Config = Config(), catalog: Optional[dict[str, str]] = None) -> str:
-    """Convenience: the queue that owns ``key`` under ``config`` and ``catalog``."""
-    return Addressing(config, catalog).address_endpoint(key)[0]
-
-
 # =================================================================================================
 # Lease terms (the spec's ADR 0009)
 #
@@ -660,7 +648,12 @@ class LeaseTerms(NamedTuple):
         return self._replace(ttl_ms=queue_ttl_ms)
 
     def to_wire(self) -> dict[str, int]:
+        """The terms' fields in a ``granted`` reply."""
         return {"leaseTtlMs": self.ttl_ms, "idleYieldMs": self.idle_yield_ms}
+
+    def wire_json(self) -> str:
+        """``to_wire()`` as the JSON members the daemon splices into its ``granted`` reply."""
+        return f'"leaseTtlMs":{self.ttl_ms},"idleYieldMs":{self.idle_yield_ms}'
 
     @classmethod
     def from_wire(cls, reply: dict[str, Any], fallback: LeaseTerms) -> LeaseTerms:
@@ -1252,9 +1245,6 @@ class Scheduler:
     def queue_keys(self) -> list[str]:
         return list(self._queues)
 
-    def conn_leases(self, conn: Conn) -> list[Holder]:
-        return list(self._conn_leases.get(conn, ()))
-
     # -- internals --------------------------------------------------------------------------------
 
     def _push(self, heap: list[tuple[float, int, Holder]], when: float, holder: Holder) -> None:
@@ -1518,9 +1508,8 @@ _OK = b'{"op":"ok"}\n'
 def encode_granted(key: str, holder: Holder) -> bytes:
     """The ``granted`` reply: the key the client asked with, its session, the lease's terms, and
     the per-queue grant sequence number.  (Built by hand: it is on every handoff's path.)"""
-    terms = holder.terms
     return (f'{{"op":"granted","queueKey":{_json_str(key)},"sessionKey":{_json_str(holder.session)},'
-            f'"leaseTtlMs":{terms.ttl_ms},"idleYieldMs":{terms.idle_yield_ms},"seq":{holder.seq}}}\n').encode()
+            f'{holder.terms.wire_json()},"seq":{holder.seq}}}\n').encode()
 
 
 def encode_beat(key: str, session: str, granted: bool) -> bytes:
