@@ -3572,13 +3572,18 @@ def read_event_log(paths: List[str]) -> list[dict[str, Any]]:
     for path in paths:
         with open(path, "rb") as f:
             text = f.read().decode("utf-8", "replace")
-        epoch, keep = _epoch, events.append
+        minutes, keep = _MINUTE_CACHE, events.append
         for event in _log_records(text):
             try:
-                t = epoch(event["ts"])
+                ts = event["ts"]
+                minute = minutes.get(ts[:16]) if ts.__class__ is str else None
+                if minute is not None and ts[16] == ":":  # the common case, inline: a known minute
+                    t: Optional[float] = minute + float(ts[17:-1] if ts[-1] == "Z" else ts[17:])
+                else:
+                    t = _epoch(ts)
                 if t is None or event["event"].__class__ is not str or event["queueKey"].__class__ is not str:
                     continue
-            except (TypeError, KeyError, AttributeError):
+            except (TypeError, KeyError, AttributeError, ValueError, IndexError):
                 continue  # not an object, or not an event of ours
             event["t"] = t
             keep(event)
@@ -3621,32 +3626,26 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if q is None:
             q = queues[key] = {"holds": [], "waits": [], "open": {}, "waiting": {}, "switches": [],
                                "idle": [], "evictions": [], "config": [], "grants": [], "sessions": {}}
-        kind, session, role, t = e["event"], e.get("sessionKey"), e.get("role") or "parent", e["t"]
-        if session is not None and kind in ("grant", "queued"):
+        kind, t = e["event"], e["t"]
+        if kind == "config":
+            q["config"].append(t)
+            continue
+        session = e.get("sessionKey")
+        if session is None:
+            continue
+        if kind == "grant":  # the branches in order of how often they come
+            role = e.get("role") or "parent"
             q["sessions"].setdefault(session, None)  # lanes in order of first appearance
-        if kind == "queued" and session is not None:
-            q["waiting"][session] = (t, role)
-        elif kind == "dequeue" and session is not None and session in q["waiting"]:
-            start, was = q["waiting"].pop(session)
-            if e.get("reason") != "merged":  # merged: it went on waiting (or holding) elsewhere
-                q["waits"].append(Wait(session, was, start, t, False))
-        elif kind == "move" and session is not None:  # a reload moved it from another queue
-            src = queues.get(str(e.get("from")))
-            if src is not None and e.get("what") == "holder" and session in src["open"]:
-                start, was, switch = src["open"].pop(session)
-                src["holds"].append(Hold(session, was, start, t, "moved", switch))
-                q["open"][session] = (t, role, False)
-            elif src is not None and session in src["waiting"]:
-                q["waiting"][session] = src["waiting"].pop(session)
-        elif kind == "grant" and session is not None:
             q["grants"].append(t)
             queued = q["waiting"].pop(session, None)
             if queued is not None:
                 q["waits"].append(Wait(session, role, queued[0], t, True))
             q["open"][session] = (t, role, queued is not None)
-        elif kind == "switch":
+            continue
+        if kind == "switch":
             q["switches"].append((t, session))
-        elif kind in ("release", "evict") and session is not None:
+            continue
+        if kind == "release" or kind == "evict":
             reason = e.get("reason") or kind
             if kind == "release" and reason == "idle":
                 q["idle"].append(t)
@@ -3655,8 +3654,23 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             held = q["open"].pop(session, None)
             if held is not None:
                 q["holds"].append(Hold(session, held[1], held[0], t, reason, held[2]))
-        elif kind == "config":
-            q["config"].append(t)
+            continue
+        role = e.get("role") or "parent"
+        if kind == "queued":
+            q["sessions"].setdefault(session, None)
+            q["waiting"][session] = (t, role)
+        elif kind == "dequeue" and session in q["waiting"]:
+            start, was = q["waiting"].pop(session)
+            if e.get("reason") != "merged":  # merged: it went on waiting (or holding) elsewhere
+                q["waits"].append(Wait(session, was, start, t, False))
+        elif kind == "move":  # a reload moved it from another queue
+            src = queues.get(str(e.get("from")))
+            if src is not None and e.get("what") == "holder" and session in src["open"]:
+                start, was, switch = src["open"].pop(session)
+                src["holds"].append(Hold(session, was, start, t, "moved", switch))
+                q["open"][session] = (t, role, False)
+            elif src is not None and session in src["waiting"]:
+                q["waiting"][session] = src["waiting"].pop(session)
         # any other event: unknown to this version, skipped
     for q in queues.values():
         for session, (start, role, switch) in q.pop("open").items():
