@@ -1,0 +1,1056 @@
+#!/usr/bin/env python3
+"""What the queue exists for, measured: several coding agents sharing one real model server.
+
+    python3 bench/agents.py --llama-server PATH --quick    # a few minutes: the small model
+    python3 bench/agents.py --llama-server PATH            # every set-up, both patterns
+    python3 bench/agents.py --upstream http://127.0.0.1:8080   # your own running server
+    python3 bench/agents.py ... --json out.json            # also write every figure and request
+
+Each **agent** owns a conversation: a system prompt of its own (``--system-tokens``), a task,
+then streamed requests that grow it with the reply and a tool's output between requests.
+
+**Patterns.**
+- *delegate*: a parent makes two requests, parks in a blocking tool (``subagent``) while
+  ``--children`` subagents run four requests each, concurrently, then answers once more.
+- *interactive*: a parent with think time between turns, like a person typing, while background
+  subagents run long jobs (a job: four requests).  Only the parent's latency matters; the
+  background's throughput is reported beside it (requests completed while the parent worked).
+
+**How the agents reach the server** (``--access``):
+- ``none``: straight to the server (the baseline every ratio is against);
+- ``client``: ``llmqueue.Client`` sessions used as an agent uses them: ``run()`` around a run,
+  ``request()`` before each model request, ``tool(name)`` around each tool (``subagent`` is a
+  blocking tool);
+- ``proxy``: ``llmqueue proxy`` with the session and tier in the base URL (``/s/NAME/ROLE/v1``);
+- ``proxy-anon``: the proxy with no session names (what a tool that only takes a base URL gets).
+Every queued run gets a fresh daemon with the **default config** (only ``logFile`` set, for the
+dead-time figure) on a temporary agent dir.
+
+**Server set-ups** (``--llama-server PATH``: the benchmark starts the server for every run, so
+every run meets empty caches; it writes its own random-weight model, see below):
+- ``1slot-nocache``: one slot, llama.cpp's host prompt cache off (``--cache-ram 0``);
+- ``1slot-cache``: one slot with llama.cpp's host prompt cache;
+- ``nslot-unified``: one slot per agent, sharing one unified KV cache (``--kv-unified``).
+Each with two workloads: ``fit`` (the slot holds one agent's context and the host cache, or the
+unified KV, holds them all) and ``pressure`` (the host cache, or the unified KV, holds about two
+agents' contexts).  With ``--upstream`` the server is yours: one set-up, ``upstream``, one
+workload, ``as-is``; every prompt starts with a fresh random word, so caches left by earlier
+runs never help a later one.
+
+**The model.**  With ``--llama-server``, a llama-architecture GGUF with random weights is written
+with ``gguf`` (llama.cpp's own Python writer) and numpy, with a vocabulary built here: ``<unk>``,
+``<s>``, ``</s>``, the 256 byte tokens, and one token for every word the agents say (a word is
+one token, so ``--system-tokens`` is a token count).  Random weights speak gibberish, but
+tokenizing, prefill, caching and streaming are real.  ``pip install '.[bench]'`` brings both.
+
+**Figures**, from the server's own accounting (llama.cpp's ``timings.prompt_n``/``cache_n``, else
+``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``):
+- prefilled and reused tokens; the *oracle* prefill: what a server that never evicts would
+  prefill, each conversation's first prompt once plus what each later request adds;
+- makespan: from the first request to the last agent's end;
+- time to first token per tier, from the moment the agent asks (any wait for the slot included);
+- dead time: a slot held while someone waited for it and the holder had no request in flight
+  (from the daemon's event log and the agents' own request times; the proxy's anonymous
+  sessions hold only while their request is in flight);
+- failed requests.
+Every run's figure is printed with its ratio against ``none`` in the same set-up, in one table.
+
+The module under test stays standard library only; so is this file, but for the model writer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODULE = os.path.join(ROOT, "llmqueue.py")
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+import llmqueue  # noqa: E402
+
+now = time.time  # wall clock: the daemon's event log is in wall time, and so is every figure here
+
+# =================================================================================================
+# Words and the model
+# =================================================================================================
+
+CONSONANTS = "bcdfghjklmnprstvz"
+VOWELS = "aeiou"
+# Every word the agents say: consonant-vowel-consonant, one token each in the model's vocabulary.
+WORDS = [a + v + b for a in CONSONANTS for v in VOWELS for b in CONSONANTS]
+
+
+def vocabulary() -> Tuple[List[str], List[float], List[int]]:
+    """The model's tokens, scores and types (llama's SentencePiece model, as llama.cpp reads it).
+
+    Pieces merge pairwise by score, so each word ``▁bak`` is reachable as ``▁`` + ``b`` ->
+    ``▁b`` -> ``▁ba`` -> ``▁bak``: every prefix of every word is in the vocabulary, the longer
+    ones scoring higher."""
+    normal, unknown, control, byte = 1, 2, 3, 6
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [unknown, control, control]
+    tokens += [f"<0x{i:02X}>" for i in range(256)]
+    types += [byte] * 256
+    pieces = ["\u2581"] + sorted(set(CONSONANTS + VOWELS))
+    for w in WORDS:
+        for n in range(1, len(w) + 1):
+            pieces.append("\u2581" + w[:n])
+    seen: Dict[str, None] = {}
+    for p in pieces:
+        seen.setdefault(p, None)
+    for p in seen:
+        tokens.append(p)
+        types.append(normal)
+    scores = [0.0] * len(tokens)
+    for i, t in enumerate(tokens):
+        if types[i] == normal:
+            scores[i] = float(len(t))  # longer pieces win every merge
+    return tokens, scores, types
+
+
+class ModelSize(NamedTuple):
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_ff: int
+
+    def kv_bytes_per_token(self) -> int:
+        return self.n_layer * 2 * self.n_embd * 2  # K and V, f16, every layer (no GQA)
+
+
+MODEL_SIZES = {
+    "tiny": ModelSize(n_embd=256, n_layer=4, n_head=4, n_ff=768),  # for a smoke run: prefill is nearly free
+    "small": ModelSize(n_embd=512, n_layer=8, n_head=8, n_ff=1408),  # ~1.5k tokens/s of prefill on 2 cores
+}
+
+
+def write_model(path: str, size: ModelSize, ctx: int = 32768, seed: int = 0) -> None:
+    """A random-weight llama GGUF at ``path`` (``gguf`` and numpy: the ``bench`` extra)."""
+    try:
+        import gguf
+        import numpy as np
+    except ImportError as e:
+        raise SystemExit(f"bench/agents.py: writing the model needs gguf and numpy "
+                         f"(pip install '.[bench]'): {e}")
+    tokens, scores, types = vocabulary()
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("llmqueue-bench-random")
+    w.add_context_length(ctx)
+    w.add_embedding_length(size.n_embd)
+    w.add_block_count(size.n_layer)
+    w.add_feed_forward_length(size.n_ff)
+    w.add_head_count(size.n_head)
+    w.add_head_count_kv(size.n_head)
+    w.add_rope_dimension_count(size.n_embd // size.n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(1)  # mostly f16
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    # A ChatML template: llama-server renders the agents' messages with it.
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+    def mat(rows: int, cols: int) -> Any:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    n_e, f, v = size.n_embd, size.n_ff, len(tokens)
+    w.add_tensor("token_embd.weight", mat(v, n_e))
+    w.add_tensor("output_norm.weight", np.ones(n_e, dtype=np.float32))
+    w.add_tensor("output.weight", mat(v, n_e))
+    for i in range(size.n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_e, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.add_tensor(p + name + ".weight", mat(n_e, n_e))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_e, dtype=np.float32))
+        w.add_tensor(p + "ffn_gate.weight", mat(f, n_e))
+        w.add_tensor(p + "ffn_up.weight", mat(f, n_e))
+        w.add_tensor(p + "ffn_down.weight", mat(n_e, f))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# =================================================================================================
+# One streamed request
+# =================================================================================================
+
+
+class Reply(NamedTuple):
+    ok: bool
+    status: int
+    text: str
+    first: Optional[float]  # wall time of the first content chunk
+    end: float
+    prompt_n: Optional[int]  # tokens the server prefilled for this request
+    cache_n: Optional[int]  # tokens it reused from a cache
+    error: str
+
+
+def v1_base(url: str) -> str:
+    """``http://h:p`` or ``http://h:p/v1`` -> ``http://h:p/v1``."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def server_root(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def stream_chat(base: str, messages: List[Dict[str, str]], max_tokens: int,
+                headers: Optional[Dict[str, str]] = None, timeout: float = 600.0) -> Reply:
+    """POST ``base``/chat/completions with ``stream: true`` and read the SSE stream to its end."""
+    u = urllib.parse.urlsplit(base)
+    body = json.dumps({"model": "bench", "messages": messages, "stream": True, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "cache_prompt": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=timeout)
+    first: Optional[float] = None
+    parts: List[str] = []
+    timings: Dict[str, Any] = {}
+    usage: Dict[str, Any] = {}
+    try:
+        conn.request("POST", u.path.rstrip("/") + "/chat/completions", body=body,
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            err = resp.read()[:300].decode("utf-8", "replace")
+            return Reply(False, resp.status, "", None, now(), None, None, err)
+        done = False
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            if "error" in obj:
+                return Reply(False, resp.status, "", first, now(), None, None, str(obj["error"])[:300])
+            if isinstance(obj.get("timings"), dict):
+                timings = obj["timings"]
+            if isinstance(obj.get("usage"), dict):
+                usage = obj["usage"]
+            for choice in obj.get("choices") or ():
+                content = (choice.get("delta") or {}).get("content")
+                if content is not None:
+                    if first is None:
+                        first = now()
+                    parts.append(content)
+        if not done:
+            return Reply(False, resp.status, "", first, now(), None, None, "the stream broke off")
+    except (OSError, http.client.HTTPException) as e:
+        return Reply(False, 0, "", first, now(), None, None, f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+    prompt_n, cache_n = _accounting(timings, usage)
+    return Reply(True, 200, "".join(parts), first, now(), prompt_n, cache_n, "")
+
+
+def _accounting(timings: Dict[str, Any], usage: Dict[str, Any]) -> Tuple[Optional[int], Optional[int]]:
+    """(prefilled, reused) from llama.cpp's timings, else from OpenAI usage."""
+    if isinstance(timings.get("prompt_n"), int):
+        cache = timings.get("cache_n")
+        return timings["prompt_n"], cache if isinstance(cache, int) else 0
+    prompt = usage.get("prompt_tokens")
+    if isinstance(prompt, int):
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        cached = cached if isinstance(cached, int) else 0
+        return prompt - cached, cached
+    return None, None
+
+
+# =================================================================================================
+# How agents reach the server
+# =================================================================================================
+
+
+class Access:
+    """How an agent reaches the server, and how it tells the queue about its run (no-ops here:
+    the server alone)."""
+
+    name = "none"
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = v1_base(upstream)
+
+    def base(self, agent: "Agent") -> str:
+        return self.upstream
+
+    def run(self, agent: "Agent") -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def request(self, agent: "Agent") -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def tool(self, agent: "Agent", name: str) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
+
+
+class ClientAccess(Access):
+    """``llmqueue.Client`` sessions, one per agent, used as an agent uses them."""
+
+    name = "client"
+
+    def __init__(self, upstream: str, client: llmqueue.Client, queue_key: Optional[str] = None,
+                 grace_ms: int = llmqueue.GRACE_MS) -> None:
+        super().__init__(upstream)
+        self.client = client
+        self.queue_key = queue_key or self.upstream
+        self.grace_ms = grace_ms
+        self.sessions: Dict[str, llmqueue.Session] = {}
+        self.lock = threading.Lock()
+
+    def _session(self, agent: "Agent") -> llmqueue.Session:
+        with self.lock:
+            s = self.sessions.get(agent.session)
+            if s is None:
+                s = self.sessions[agent.session] = self.client.session(
+                    self.queue_key, agent.session, agent.role, grace_ms=self.grace_ms)
+            return s
+
+    def run(self, agent: "Agent") -> ContextManager[Any]:
+        return self._session(agent).run()
+
+    def request(self, agent: "Agent") -> ContextManager[Any]:
+        return self._session(agent).request()
+
+    def tool(self, agent: "Agent", name: str) -> ContextManager[Any]:
+        return self._session(agent).tool(name)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        with self.lock:
+            sessions = list(self.sessions.values())
+            self.sessions.clear()
+        for s in sessions:
+            s.close()
+
+
+class ProxyAccess(Access):
+    """Through ``llmqueue proxy`` at ``proxy_url``: named (``/s/NAME/ROLE/v1``) or anonymous."""
+
+    def __init__(self, upstream: str, proxy_url: str, named: bool) -> None:
+        super().__init__(upstream)
+        self.proxy = proxy_url.rstrip("/")
+        self.named = named
+        self.name = "proxy" if named else "proxy-anon"
+
+    def base(self, agent: "Agent") -> str:
+        if self.named:
+            return f"{self.proxy}/s/{urllib.parse.quote(agent.session, safe='')}/{agent.role}/v1"
+        return self.proxy + "/v1"
+
+
+# =================================================================================================
+# Agents and patterns
+# =================================================================================================
+
+
+class Workload(NamedTuple):
+    """The agents' sizes (tokens are words) and times (seconds)."""
+
+    system_tokens: int = 1500
+    task_tokens: int = 40
+    reply_tokens: int = 32
+    tool_tokens: int = 150
+    tool_s: float = 0.5
+    children: int = 3
+    child_requests: int = 4
+    parent_before: int = 2  # delegate: the parent's requests before it parks
+    turns: int = 6  # interactive: the parent's turns
+    think_s: float = 2.0  # interactive: the person's think time before each turn
+    limit_s: float = 300.0  # interactive: the run's time limit (a starved parent must not hang the run)
+
+    def context_tokens(self) -> int:
+        """About the largest context one agent reaches (a child's, at its last request)."""
+        return (self.system_tokens + self.task_tokens + 8
+                + self.child_requests * (self.reply_tokens + self.tool_tokens + 8))
+
+
+class Record(NamedTuple):
+    agent: str
+    session: str
+    conversation: str
+    role: str
+    ask: float
+    first: Optional[float]
+    end: float
+    ok: bool
+    status: int
+    prompt_n: Optional[int]
+    cache_n: Optional[int]
+    error: str
+
+
+class Agent:
+    """One conversation: a system prompt of its own, then requests that grow it with each reply
+    and a tool's output."""
+
+    def __init__(self, name: str, role: str, workload: Workload, salt: str, seed: int,
+                 records: List[Record], lock: threading.Lock, session: Optional[str] = None,
+                 conversation: Optional[str] = None) -> None:
+        self.name = name
+        self.role = role
+        self.session = session or name
+        self.conversation = conversation or name
+        self.workload = workload
+        self.rng = random.Random(f"{salt}/{seed}/{self.conversation}")
+        self.records = records
+        self.lock = lock
+        # A system prompt of the conversation's own: no two conversations share a prefix beyond the
+        # chat template's, so the oracle (each conversation's first prompt once) is exact.
+        system = " ".join([salt] + self.rng.choices(WORDS, k=workload.system_tokens))
+        self.messages: List[Dict[str, str]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": self.words(workload.task_tokens)},
+        ]
+
+    def words(self, n: int) -> str:
+        return " ".join(self.rng.choices(WORDS, k=n))
+
+    def ask(self, access: Access, asked: Optional[float] = None) -> Reply:
+        """One model request, through ``access.request()``; ``asked`` is when the agent asked (the
+        start of its run, for a run's first request)."""
+        asked = now() if asked is None else asked
+        with access.request(self):
+            reply = stream_chat(access.base(self), self.messages, self.workload.reply_tokens,
+                                headers={"X-Agent": self.name})
+        with self.lock:
+            self.records.append(Record(self.name, self.session, self.conversation, self.role, asked, reply.first,
+                                       reply.end, reply.ok, reply.status, reply.prompt_n, reply.cache_n,
+                                       reply.error))
+        self.messages.append({"role": "assistant", "content": reply.text if reply.ok else ""})
+        return reply
+
+    def tool(self, access: Access, name: str = "bash", output: Optional[str] = None,
+             work: Optional[Callable[[], None]] = None) -> None:
+        """A tool call: ``work`` (or ``tool_s`` of sleep), then its output joins the conversation."""
+        with access.tool(self, name):
+            if work is not None:
+                work()
+            else:
+                time.sleep(self.workload.tool_s)
+        self.messages.append({"role": "user", "content": output or self.words(self.workload.tool_tokens)})
+
+    def requests(self, access: Access, n: int, stop: Optional[threading.Event] = None) -> None:
+        """A run of ``n`` requests with a tool call between each two."""
+        asked = now()
+        with access.run(self):
+            for i in range(n):
+                if stop is not None and stop.is_set():
+                    return
+                self.ask(access, asked if i == 0 else None)
+                if i < n - 1:
+                    self.tool(access)
+
+
+class RunResult(NamedTuple):
+    records: List[Record]
+    start: float
+    end: float
+    parent_end: float  # interactive: when the parent's last turn ended
+    limit_hit: bool = False  # interactive: the time limit stopped the run before the parent was done
+
+
+def delegate(access: Access, wl: Workload, salt: str, seed: int = 0) -> RunResult:
+    """A parent works, parks in ``subagent`` while ``children`` subagents run, then resumes."""
+    records: List[Record] = []
+    lock = threading.Lock()
+    parent = Agent("parent", "parent", wl, salt, seed, records, lock)
+    children = [Agent(f"sub{i + 1}", "child", wl, salt, seed, records, lock) for i in range(wl.children)]
+    errors: List[BaseException] = []
+
+    def child_run(agent: Agent) -> None:
+        try:
+            agent.requests(access, wl.child_requests)
+        except BaseException as e:  # noqa: B902 -- reported by the parent
+            errors.append(e)
+
+    def subagents() -> None:
+        threads = [threading.Thread(target=child_run, args=(c,), daemon=True) for c in children]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    start = now()
+    with access.run(parent):
+        for i in range(wl.parent_before):
+            parent.ask(access, start if i == 0 else None)
+            parent.tool(access)
+        parent.tool(access, "subagent", work=subagents)
+        parent.ask(access)
+    end = now()
+    if errors:
+        raise errors[0]
+    return RunResult(records, start, end, end)
+
+
+def interactive(access: Access, wl: Workload, salt: str, seed: int = 0, background: bool = True) -> RunResult:
+    """A person's turns with think time between them, while background subagents run long jobs
+    (``child_requests`` requests each, every job a subagent session of its own) until the person
+    is done, or until ``limit_s``: then the background stops and the turns left are not taken."""
+    records: List[Record] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: List[BaseException] = []
+
+    def worker(i: int) -> None:
+        job = 0
+        try:
+            while not stop.is_set():
+                job += 1
+                name = f"bg{i + 1}"
+                agent = Agent(name, "child", wl, salt, seed, records, lock, session=f"{name}-job{job}",
+                              conversation=f"{name}-job{job}")
+                agent.requests(access, wl.child_requests, stop)
+        except BaseException as e:  # noqa: B902
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True)
+               for i in range(wl.children if background else 0)]
+    start = now()
+    limit = threading.Timer(wl.limit_s, stop.set)
+    limit.daemon = True
+    limit.start()
+    for t in threads:
+        t.start()
+    parent = Agent("parent", "parent", wl, salt, seed, records, lock)
+    limit_hit = False
+    for turn in range(wl.turns):
+        if stop.wait(wl.think_s):
+            limit_hit = True
+            break
+        asked = now()
+        with access.run(parent):
+            parent.ask(access, asked)
+        parent.messages.append({"role": "user", "content": parent.words(wl.task_tokens)})
+    limit_hit = limit_hit or stop.is_set()
+    parent_end = now()
+    limit.cancel()
+    stop.set()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return RunResult(records, start, now(), parent_end, limit_hit)
+
+
+PATTERNS: Dict[str, Callable[..., RunResult]] = {"delegate": delegate, "interactive": interactive}
+
+
+# =================================================================================================
+# Figures
+# =================================================================================================
+
+
+def pct(xs: Sequence[float], p: float) -> Optional[float]:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * p
+    lo, hi = int(math.floor(k)), int(math.ceil(k))
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def oracle_prefill(records: Sequence[Record]) -> int:
+    """What a server that never evicts would prefill: each conversation's first prompt once,
+    plus what each later request adds (from the server's own token counts)."""
+    last: Dict[str, int] = {}
+    total = 0
+    for r in sorted(records, key=lambda r: r.ask):
+        if not r.ok or r.prompt_n is None:
+            continue
+        size = r.prompt_n + (r.cache_n or 0)
+        total += max(0, size - last.get(r.conversation, 0))
+        last[r.conversation] = size
+    return total
+
+
+Interval = Tuple[float, float]
+
+
+def _union(spans: Sequence[Interval]) -> List[Interval]:
+    out: List[Interval] = []
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _intersect(xs: Sequence[Interval], ys: Sequence[Interval]) -> List[Interval]:
+    out: List[Interval] = []
+    i = j = 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if a < b:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _subtract(xs: Sequence[Interval], ys: Sequence[Interval]) -> List[Interval]:
+    out: List[Interval] = []
+    for a, b in xs:
+        cur = a
+        for c, d in ys:
+            if d <= cur or c >= b:
+                continue
+            if c > cur:
+                out.append((cur, c))
+            cur = max(cur, d)
+        if cur < b:
+            out.append((cur, b))
+    return out
+
+
+def _measure(xs: Sequence[Interval]) -> float:
+    return sum(b - a for a, b in xs)
+
+
+def dead_time(events: List[Dict[str, Any]], records: Sequence[Record]) -> Tuple[float, Dict[str, float]]:
+    """Seconds a slot was held while someone else waited for it and its holder had no request
+    in flight: (total, per session).  Holds and waits come from the daemon's event log; a
+    holder's requests from the agents' own records.  A session no agent is known by (the proxy's
+    anonymous ones) holds only while its one request is in flight: never dead."""
+    busy: Dict[str, List[Interval]] = {}
+    for r in records:
+        busy.setdefault(r.session, []).append((r.ask, r.end))
+    busy = {k: _union(v) for k, v in busy.items()}
+    total = 0.0
+    per_session: Dict[str, float] = {}
+    for q in llmqueue.replay(events).values():
+        for h in q["holds"]:
+            if h.session not in busy:
+                continue
+            others = _union([(w.start, w.end) for w in q["waits"] if w.session != h.session])
+            idle = _subtract([(h.start, h.end)], busy[h.session])
+            dead = _measure(_intersect(idle, others))
+            if dead > 0:
+                total += dead
+                per_session[h.session] = per_session.get(h.session, 0.0) + dead
+    return total, per_session
+
+
+def figures(result: RunResult, events: Optional[List[Dict[str, Any]]]) -> Dict[str, Any]:
+    recs = result.records
+    ok = [r for r in recs if r.ok]
+    counted = [r for r in ok if r.prompt_n is not None]
+
+    def ttft(role: str, until: Optional[float] = None) -> List[float]:
+        return [r.first - r.ask for r in ok if r.role == role and r.first is not None
+                and (until is None or r.end <= until)]
+
+    parent, child = ttft("parent"), ttft("child")
+    dead, dead_per = dead_time(events, recs) if events is not None else (0.0, {})
+    makespan = result.end - result.start
+    return {
+        "makespan_s": makespan,
+        "prefill": sum(r.prompt_n or 0 for r in counted),
+        "reused": sum(r.cache_n or 0 for r in counted),
+        "oracle": oracle_prefill(recs),
+        "requests": len(recs),
+        "failed": len(recs) - len(ok),
+        "errors": sorted({r.error for r in recs if not r.ok})[:5],
+        "parent_ttft_p50": pct(parent, 0.5), "parent_ttft_p95": pct(parent, 0.95),
+        "child_ttft_p50": pct(child, 0.5), "child_ttft_p95": pct(child, 0.95),
+        "dead_s": dead if events is not None else None,
+        "dead_per_session": dead_per,
+        "bg_requests": sum(1 for r in ok if r.role == "child" and r.end <= result.parent_end),
+        "parent_span_s": result.parent_end - result.start,
+        "parent_requests": sum(1 for r in ok if r.role == "parent"),
+        "limit_hit": result.limit_hit,
+    }
+
+
+# =================================================================================================
+# Processes: the queue, the proxy, llama-server
+# =================================================================================================
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, proc: "Optional[subprocess.Popen[bytes]]", timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (OSError, http.client.HTTPException):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def stop_process(proc: "subprocess.Popen[bytes]", timeout: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Queue:
+    """A fresh daemon (default config, plus ``logFile``) on a temporary agent dir, and for the
+    proxy modes ``llmqueue proxy`` in front of the upstream, each its own process."""
+
+    def __init__(self, upstream: str, proxy: bool) -> None:
+        self.dir = tempfile.mkdtemp(prefix="lqagents-", dir="/tmp")
+        self.log = os.path.join(self.dir, "events.log")
+        with open(os.path.join(self.dir, "llm-queue.json"), "w") as f:
+            json.dump({"defaults": {"logFile": self.log}}, f)
+        self.procs: List["subprocess.Popen[bytes]"] = []
+        env = dict(os.environ)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        self.daemon = subprocess.Popen([sys.executable, MODULE, "--agent-dir", self.dir, "--idle-exit-ms", "never"],
+                                       stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        self.procs.append(self.daemon)
+        sock = os.path.join(self.dir, "llm-queue.sock")
+        deadline = time.monotonic() + 15
+        while not os.path.exists(sock):
+            if self.daemon.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the llmqueue daemon did not start")
+            time.sleep(0.02)
+        self.proxy_url: Optional[str] = None
+        if proxy:
+            port = free_port()
+            p = subprocess.Popen([sys.executable, MODULE, "proxy", "--agent-dir", self.dir, "--upstream",
+                                  server_root(upstream), "--listen", f"127.0.0.1:{port}"],
+                                 stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+            self.procs.append(p)
+            self.proxy_url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if p.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("llmqueue proxy did not start")
+                    time.sleep(0.05)
+
+    def events(self) -> List[Dict[str, Any]]:
+        return llmqueue.read_event_log([self.log]) if os.path.exists(self.log) else []
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            stop_process(p)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Setup(NamedTuple):
+    name: str
+    slots: int  # 0: one per agent
+    host_cache: bool
+    unified: bool
+
+
+SETUPS = {
+    "1slot-nocache": Setup("1slot-nocache", 1, False, False),
+    "1slot-cache": Setup("1slot-cache", 1, True, False),
+    "nslot-unified": Setup("nslot-unified", 0, True, True),
+}
+
+
+def llama_args(setup: Setup, pressure: bool, wl: Workload, size: ModelSize) -> List[str]:
+    """llama-server flags for a set-up: ``fit`` gives every agent's context room, ``pressure``
+    room for about two (in the host cache, or in the unified KV)."""
+    agents = wl.children + 1
+    ctx = wl.context_tokens() + wl.reply_tokens + 64
+    per_slot = 1 << max(10, (int(ctx * 1.25) - 1).bit_length())  # a power of two above it
+    mib = 1024 * 1024
+    args: List[str] = []
+    if setup.unified:
+        total = per_slot * agents if not pressure else int(ctx * 2.2)
+        args += ["-np", str(agents), "--kv-unified", "-c", str(total)]
+    else:
+        args += ["-np", "1", "-c", str(per_slot)]
+    if not setup.host_cache:
+        args += ["--cache-ram", "0"]
+    elif pressure:
+        args += ["--cache-ram", str(max(1, math.ceil(2 * ctx * size.kv_bytes_per_token() / mib)))]
+    else:
+        args += ["--cache-ram", str(max(64, math.ceil(agents * 3 * ctx * size.kv_bytes_per_token() / mib)))]
+    return args
+
+
+class LlamaServer:
+    """``llama-server`` on a free loopback port, for one run."""
+
+    def __init__(self, binary: str, model: str, args: List[str], threads: int, log_path: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
+                     "--no-webui", "--metrics"] + args
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log)
+        try:
+            wait_http(self.url + "/health", self.proc, 120, "llama-server")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        stop_process(self.proc)
+        self.log.close()
+
+
+# =================================================================================================
+# Runs and the table
+# =================================================================================================
+
+ACCESS = ("none", "client", "proxy", "proxy-anon")
+
+
+def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: str,
+             background: bool = True) -> Dict[str, Any]:
+    """One run of ``pattern`` through ``access_name`` against ``upstream``: its figures."""
+    queue = Queue(upstream, proxy=access_name.startswith("proxy")) if access_name != "none" else None
+    client: Optional[llmqueue.Client] = None
+    access: Access
+    try:
+        if queue is None:
+            access = Access(upstream)
+        elif access_name == "client":
+            client = llmqueue.Client(queue.dir, fail_open=False)
+            access = ClientAccess(upstream, client)
+        else:
+            assert queue.proxy_url is not None
+            access = ProxyAccess(upstream, queue.proxy_url, named=access_name == "proxy")
+        fn = PATTERNS[pattern]
+        result = fn(access, wl, salt, background=background) if pattern == "interactive" else fn(access, wl, salt)
+        access.close()
+        if client is not None:
+            client.close()
+            client = None
+        time.sleep(0.3)  # the last release reaches the log
+        fig = figures(result, queue.events() if queue is not None else None)
+        fig["request_log"] = [r._asdict() for r in result.records]
+        return fig
+    finally:
+        if client is not None:
+            client.close()
+        if queue is not None:
+            queue.close()
+
+
+def fmt_s(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def fmt_x(x: Optional[float], base: Optional[float]) -> str:
+    if x is None or base is None or base <= 0:
+        return ""
+    return f" ({x / base:.2f}x)"
+
+
+def table(rows: List[Dict[str, Any]]) -> str:
+    head = ["pattern", "set-up", "workload", "access", "makespan s", "prefilled tok", "vs oracle",
+            "reused tok", "parent ttft p50/p95 s", "child ttft p50 s", "dead s (% of makespan)", "failed",
+            "bg requests"]
+    lines = [head]
+    base: Dict[Tuple[str, str, str], Dict[str, Any]] = {}
+    for r in rows:
+        if r["access"] == "none":
+            base[(r["pattern"], r["setup"], r["workload"])] = r
+    for r in rows:
+        b = base.get((r["pattern"], r["setup"], r["workload"]), {})
+        if "error" in r:
+            lines.append([r["pattern"], r["setup"], r["workload"], r["access"], "error: " + r["error"][:60]]
+                         + [""] * (len(head) - 5))
+            continue
+        interactive = r["pattern"] == "interactive"
+        dead = "-" if r["dead_s"] is None else f"{r['dead_s']:.2f} ({100 * r['dead_s'] / r['makespan_s']:.0f}%)"
+        alone = r.get("parent_alone_p50")
+        parent = f"{fmt_s(r['parent_ttft_p50'])} / {fmt_s(r['parent_ttft_p95'])}"
+        if interactive and r["limit_hit"]:
+            parent += f" (limit {r['parent_span_s']:.0f} s hit, {r['parent_requests']} answered)"
+        elif interactive and alone:
+            parent += f" ({r['parent_ttft_p50'] / alone:.2f}x idle)" if r["parent_ttft_p50"] else ""
+        else:
+            parent += fmt_x(r["parent_ttft_p50"], b.get("parent_ttft_p50"))
+        lines.append([
+            r["pattern"], r["setup"], r["workload"], r["access"],
+            f"{r['makespan_s']:.1f}" + ("" if interactive else fmt_x(r["makespan_s"], b.get("makespan_s"))),
+            f"{r['prefill']:,}" + fmt_x(r["prefill"], b.get("prefill")),
+            f"{r['prefill'] / r['oracle']:.2f}x" if r["oracle"] else "-",
+            f"{r['reused']:,}",
+            parent,
+            fmt_s(r["child_ttft_p50"]) + fmt_x(r["child_ttft_p50"], b.get("child_ttft_p50")),
+            dead,
+            str(r["failed"]),
+            (f"{r['bg_requests']}" + fmt_x(r["bg_requests"], b.get("bg_requests")))
+            if interactive and r["access"] in ACCESS else "",
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = []
+    for k, line in enumerate(lines):
+        out.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/agents.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--llama-server", metavar="PATH", help="a llama-server binary: started for every run")
+    where.add_argument("--upstream", metavar="URL", help="an OpenAI-compatible server already running")
+    ap.add_argument("--quick", action="store_true",
+                    help="the small model, set-up 1slot-cache, both workloads, both patterns: a few minutes")
+    ap.add_argument("--patterns", default=None, help="comma list of delegate,interactive (default: both)")
+    ap.add_argument("--setups", default=None, help="comma list of " + ",".join(SETUPS))
+    ap.add_argument("--workloads", default=None, help="comma list of fit,pressure (default: both)")
+    ap.add_argument("--access", default=",".join(ACCESS), help="comma list of " + ",".join(ACCESS))
+    ap.add_argument("--model", metavar="GGUF", help="use this model instead of writing a random one")
+    ap.add_argument("--model-size", choices=sorted(MODEL_SIZES), default=None,
+                    help="the random model's size (default: small)")
+    ap.add_argument("--system-tokens", type=int, default=None, help="each agent's system prompt, in tokens")
+    ap.add_argument("--children", type=int, default=3, help="subagents (default 3)")
+    ap.add_argument("--threads", type=int, default=2, help="llama-server threads (default 2)")
+    ap.add_argument("--json", metavar="FILE", help="write every figure and request here")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    size = MODEL_SIZES[args.model_size or "small"]
+    wl = Workload(children=args.children)
+    if args.quick:
+        wl = wl._replace(system_tokens=1000, tool_tokens=100, tool_s=0.3, turns=4, think_s=1.5, limit_s=90.0)
+    if args.system_tokens:
+        wl = wl._replace(system_tokens=args.system_tokens)
+    patterns = (args.patterns or "delegate,interactive").split(",")
+    access_names = args.access.split(",")
+    for a in access_names:
+        if a not in ACCESS:
+            ap.error(f"unknown access {a!r}")
+    for p in patterns:
+        if p not in PATTERNS:
+            ap.error(f"unknown pattern {p!r}")
+    if args.upstream:
+        plans: List[Tuple[Optional[Setup], str]] = [(None, "as-is")]
+    else:
+        setups = (args.setups or ("1slot-cache" if args.quick else ",".join(SETUPS))).split(",")
+        workloads = (args.workloads or "fit,pressure").split(",")
+        for s in setups:
+            if s not in SETUPS:
+                ap.error(f"unknown set-up {s!r}")
+        plans = [(SETUPS[s], w) for s in setups for w in workloads]
+    tmp = tempfile.mkdtemp(prefix="lqagents-model-")
+    model = args.model
+    if args.llama_server and not model:
+        model = os.path.join(tmp, "model.gguf")
+        print(f"writing a random-weight model ({size.n_embd} wide, {size.n_layer} layers, "
+              f"{len(vocabulary()[0]):,} tokens) to {model}", file=sys.stderr)
+        write_model(model, size)
+    rows: List[Dict[str, Any]] = []
+    rng = random.Random(args.seed)
+    started = time.monotonic()
+    try:
+        for setup, workload in plans:
+            for pattern in patterns:
+                runs = [(a, True) for a in access_names]
+                if pattern == "interactive":
+                    runs.insert(0, ("none", False))  # the parent alone on an idle server
+                alone: Optional[float] = None
+                for access_name, background in runs:
+                    salt = rng.choice(WORDS) + rng.choice(WORDS)
+                    label = access_name if background else "idle (parent alone)"
+                    row: Dict[str, Any] = {"pattern": pattern, "setup": setup.name if setup else "upstream",
+                                           "workload": workload, "access": label}
+                    print(f"[{time.monotonic() - started:6.0f} s] {pattern} / {row['setup']} / {workload} / "
+                          f"{label} ...", file=sys.stderr, flush=True)
+                    server: Optional[LlamaServer] = None
+                    try:
+                        if setup is not None:
+                            server = LlamaServer(args.llama_server, model or "", llama_args(
+                                setup, workload == "pressure", wl, size), args.threads,
+                                os.path.join(tmp, "llama-server.log"))
+                            upstream = server.url
+                        else:
+                            upstream = args.upstream
+                        row.update(run_once(pattern, access_name, upstream, wl, salt, background))
+                        if server is not None:
+                            row["server_args"] = server.argv[server.argv.index("--metrics") + 1:]
+                    except Exception as e:  # noqa: BLE001 -- one failed run is a row, not the end
+                        row["error"] = f"{type(e).__name__}: {e}"
+                    finally:
+                        if server is not None:
+                            server.close()
+                    if not background:
+                        alone = row.get("parent_ttft_p50")
+                    row["parent_alone_p50"] = alone
+                    rows.append(row)
+    except KeyboardInterrupt:
+        print("interrupted: the table so far", file=sys.stderr)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"agents: parent + {wl.children} subagents; system prompt {wl.system_tokens} tokens, replies "
+          f"{wl.reply_tokens}, tool outputs {wl.tool_tokens} tokens after {wl.tool_s:g} s; "
+          f"model {'given' if args.model else f'{size.n_embd}x{size.n_layer}'}")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": wl._asdict(), "model": size._asdict(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""What the queue buys, pinned in token counts: the benchmark's agents (bench/agents.py) against
+the KV-cache simulator (tests/kvsim.py), no real model server.
+
+The *pressure* workload: one slot, and a host cache that holds about one more agent's context, so
+that the slot and the host cache together hold about two of the four agents' contexts.  Pinned:
+- without the queue, the subagents' requests interleave at the server and evict each other: the
+  server prefills at least 2x the oracle (what a server that never evicts would prefill);
+- through the queue (``Client`` sessions, and the proxy with named sessions) each subagent holds
+  the slot for its whole run: at most 1.3x the oracle, and no two requests are ever in the server
+  at once (its own waiting line included).
+The timing knobs that would make the test wait (the 30 s idle-yield window, the 3 s grace) are
+shortened here; the policy they stand for is the default one.  Also pinned: the benchmark's own
+figures (the oracle, dead time) on hand-made inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any, Iterator, List
+
+import pytest
+
+import llmqueue as lq
+from tests.harness import ROOT, DaemonProc, started
+from tests.kvsim import KVSim
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import agents  # noqa: E402
+
+WORKLOAD = agents.Workload(system_tokens=300, task_tokens=20, reply_tokens=8, tool_tokens=60, tool_s=0.05,
+                           children=3, child_requests=4, parent_before=2)
+CONTEXT = WORKLOAD.context_tokens()
+
+
+@pytest.fixture
+def sim() -> Iterator[KVSim]:
+    s = KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=0.05, decode_ms=0.3)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProc]:
+    # idleYieldMs: the parked parent lets go after 0.3 s instead of the default 30 s.
+    yield from started(config={"defaults": {"idleYieldMs": 300}})
+
+
+def overlaps(sim: KVSim) -> int:
+    """The most requests the server had at once, counting its own waiting line."""
+    with sim.lock:
+        spans = [(r["arrived"], r["end"]) for r in sim.records if r["end"] is not None]
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    most = cur = 0
+    for _, step in edges:
+        cur += step
+        most = max(most, cur)
+    return most
+
+
+def run_delegate(access: agents.Access) -> agents.RunResult:
+    result = agents.delegate(access, WORKLOAD, salt="zuzzuz")
+    access.close()
+    assert all(r.ok for r in result.records), [r.error for r in result.records if not r.ok]
+    assert len(result.records) == WORKLOAD.parent_before + 1 + WORKLOAD.children * WORKLOAD.child_requests
+    return result
+
+
+def prefill_ratio(result: agents.RunResult) -> float:
+    fig = agents.figures(result, None)
+    assert fig["oracle"] > 0
+    return float(fig["prefill"]) / fig["oracle"]
+
+
+def test_without_the_queue_the_pressure_workload_prefills_at_least_twice_the_oracle(sim: KVSim) -> None:
+    result = run_delegate(agents.Access(sim.url))
+    assert prefill_ratio(result) >= 2.0
+    assert overlaps(sim) >= 2  # the subagents' requests met at the server
+    assert sim.totals()["prompt_n"] == agents.figures(result, None)["prefill"]  # the server's own count
+
+
+def test_client_sessions_prefill_at_most_1_3x_the_oracle_and_never_overlap(sim: KVSim, daemon: DaemonProc) -> None:
+    client = lq.Client(daemon.agent_dir, autostart=False, fail_open=False)
+    try:
+        result = run_delegate(agents.ClientAccess(sim.url, client, grace_ms=100))
+    finally:
+        client.close()
+    assert prefill_ratio(result) <= 1.3
+    assert overlaps(sim) == 1
+
+
+def test_proxy_with_named_sessions_prefills_at_most_1_3x_the_oracle_and_never_overlaps(
+        sim: KVSim, daemon: DaemonProc) -> None:
+    client = lq.Client(daemon.agent_dir, autostart=False, fail_open=False)
+    proxy = lq.Proxy(sim.base, client=client, listen=("127.0.0.1", 0), grace_ms=100)
+    thread = threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    try:
+        result = run_delegate(agents.ProxyAccess(sim.url, proxy.url, named=True))
+    finally:
+        proxy.shutdown()
+        client.close()
+    assert prefill_ratio(result) <= 1.3
+    assert overlaps(sim) == 1
+
+
+# -- the benchmark's own figures -----------------------------------------------------------------
+
+
+def rec(session: str, ask: float, end: float, prompt_n: int = 0, cache_n: int = 0, ok: bool = True,
+        conversation: str = "") -> agents.Record:
+    return agents.Record(session, session, conversation or session, "child", ask, ask, end, ok, 200 if ok else 500,
+                         prompt_n if ok else None, cache_n if ok else None, "" if ok else "x")
+
+
+def test_the_oracle_is_each_conversations_first_prompt_plus_what_each_later_request_adds() -> None:
+    records = [rec("a", 0, 1, prompt_n=100), rec("b", 1, 2, prompt_n=50),
+               rec("a", 2, 3, prompt_n=130, cache_n=0),  # re-prefilled: 130 in all, 30 of them new
+               rec("a", 3, 4, prompt_n=10, cache_n=130),  # 140 in all: 10 new
+               rec("b", 4, 5, ok=False)]  # a failed request adds nothing
+    assert agents.oracle_prefill(records) == 100 + 50 + 30 + 10
+
+
+def test_dead_time_is_a_hold_with_nothing_in_flight_while_someone_waits() -> None:
+    t0 = 1_800_000_000.0
+
+    def ev(t: float, event: str, session: str, **extra: Any) -> dict[str, Any]:
+        return {"event": event, "queueKey": "q", "sessionKey": session, "role": "child", "t": t0 + t, **extra}
+
+    events = [ev(0, "grant", "a"), ev(2, "queued", "b"), ev(6, "release", "a"),
+              ev(6, "grant", "b"), ev(7, "release", "b")]
+    # a streams 0-3 and 5-6: idle 3-5, and b waits 2-6: 2 s dead.  b streams its whole hold.
+    records: List[agents.Record] = [rec("a", t0 + 0, t0 + 3), rec("a", t0 + 5, t0 + 6), rec("b", t0 + 6, t0 + 7)]
+    total, per = agents.dead_time(events, records)
+    assert total == pytest.approx(2.0)
+    assert per == {"a": pytest.approx(2.0)}
+    # Nobody waiting: an idle holder costs nothing.
+    quiet = [ev(0, "grant", "a"), ev(6, "release", "a")]
+    assert agents.dead_time(quiet, records[:2])[0] == 0.0
