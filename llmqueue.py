@@ -109,6 +109,11 @@ CONFIG_DEBOUNCE_MS = 250.0  # spec: hot-reload debounce -- an editor's save sett
 CONFIG_POLL_MS = 1000.0  # the config stat poll; an idle daemon wakes at most this often
 DEFAULT_SWEEP_MS = 1000  # spec: --sweep-ms default
 GRACE_MS = 3000  # spec: a client releases this long after its run settles
+# A settled parent keeps its slot this long even while someone waits (a follow-up run of the same
+# agent, woken by a tool or a child's answer, starts switch-free), then parks for the rest of its
+# grace.  A person's next turn comes later than this, and a waiting subagent should not idle
+# through the person's think time.
+PARENT_HANDBACK_MS = 1000
 
 ROLES = ("parent", "child")  # wire names of the tiers, in grant order
 PARENT, CHILD = 0, 1
@@ -678,7 +683,8 @@ class LeaseTerms(NamedTuple):
 #   - waiters are ordered by (tier, sequence number taken at enqueue); aging picks the oldest
 #     child ahead of parents, it never rewrites a tier; ``fifo`` ignores tiers;
 #   - a grant of a queued waiter is a Switch; a direct grant into a free slot is not;
-#   - a holder is only ever removed by release, cancel, disconnect, TTL lapse or idle yield.
+#   - a holder is only ever removed by release, cancel, disconnect, TTL lapse, idle yield, or
+#     -- when it said it is parked (waiting on another agent) -- by a waiter's arrival.
 # Costs: every operation is O(log n) in waiters and holders (heaps with lazy deletion), except
 # ``status`` (linear in what it reports) and ``reconfigure`` (a rebuild).
 # =================================================================================================
@@ -686,6 +692,8 @@ class LeaseTerms(NamedTuple):
 Conn = Any  # an opaque, hashable connection identity chosen by the caller
 Target = Tuple[Any, str]  # (connection, the queueKey that connection asked with)
 
+# A resumed child's enqueue number is taken this far below the usual ones: ahead of them all.
+RESUME_AHEAD = 1 << 62
 # Empty queues that no config entry names are forgotten (oldest first, with their counters) once
 # there are more queues than this: queue keys are chosen by peers, so they must not pile up.
 MAX_QUEUES = 1024
@@ -703,7 +711,7 @@ class Holder:
 
     __slots__ = (
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
-        "granted_at", "last_beat", "last_activity", "conns", "held", "json",
+        "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
@@ -721,6 +729,7 @@ class Holder:
         self.last_activity = now
         self.conns: set[Any] = set()
         self.held = True
+        self.parked = False  # its client waits on another agent: the slot goes to any waiter at once
         self.json = _who_json(session, role, group)  # its entry in status replies
 
     @property
@@ -796,7 +805,8 @@ class Dequeued(NamedTuple):
 
 
 class Released(NamedTuple):
-    """A slot returned: ``reason`` is release, cancel, disconnect or idle (an idle yield)."""
+    """A slot returned: ``reason`` is release, cancel, disconnect, idle (an idle yield) or parked
+    (a parked holder handed over to a waiter)."""
 
     queue_key: str
     holder: Holder
@@ -838,7 +848,8 @@ class _Queue:
 
     __slots__ = (
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
-        "grants", "parent_grants", "child_mark", "idle", "queued", "idle_yields", "evictions",
+        "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
+        "evictions",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -855,8 +866,10 @@ class _Queue:
         self.parent_grants = 0  # parent grants ever; a child's slot-aging counts from its mark
         self.child_mark = 0  # parent_grants at the last child grant: "in a row" restarts there
         self.idle: OrderedDict[Holder, None] = OrderedDict()  # holders idle past their window
+        self.parked: OrderedDict[Holder, None] = OrderedDict()  # holders parked, in parking order
         self.queued = 0  # counters for status: acquires that had to wait, idle yields, TTL evictions
         self.idle_yields = 0
+        self.park_yields = 0
         self.evictions = 0
 
     def held(self) -> int:
@@ -885,6 +898,7 @@ class _Queue:
         self.holders, self.extra, self.waiting = {}, [], {}
         self.heaps, self.dead = ([], []), [0, 0]
         self.idle = OrderedDict()
+        self.parked = OrderedDict()
 
     def push(self, w: Waiter) -> None:
         heapq.heappush(self.heaps[w.role], (w.seq, w.version, w))
@@ -960,10 +974,13 @@ class Scheduler:
     # -- requests ---------------------------------------------------------------------------------
 
     def acquire(self, conn: Conn, key: str, session: str, role: str = "parent",
-                group: Optional[str] = None, activity: bool = False, *, now: float) -> list[Event]:
+                group: Optional[str] = None, activity: bool = False, *, now: float,
+                resume: bool = False) -> list[Event]:
         """A session asks for a slot of the queue ``key`` names.  Granted at once when a slot is
         free (or the queue is passthrough); otherwise queued by tier.  A session that already
-        holds is re-granted without a second slot; one already waiting is not queued twice."""
+        holds is re-granted without a second slot; one already waiting is not queued twice.
+        ``resume``: a child that just handed its slot back to a waiting parent queues ahead of
+        the other children (its context is the warmest); ``fifo`` queues ignore it."""
         tier = ROLES.index(role)
         q = self._queue_for(key)
         holder = q.holder_for(key, session)
@@ -982,11 +999,16 @@ class Scheduler:
             self._attach(holder, conn)
             return [Granted(q.key, holder, ((conn, key),))]
         self._seq += 1
-        w = Waiter(q, session, tier, group, activity, self._seq, key, now)
+        seq = self._seq
+        if resume and tier == CHILD and q.policy.policy != "fifo":
+            seq -= RESUME_AHEAD  # ahead of every child queued the usual way, FIFO among resumers
+        w = Waiter(q, session, tier, group, activity, seq, key, now)
         w.targets[(conn, key)] = None
         q.queued += 1
         self._enqueue(q, w)
-        return [Queued(q.key, w)]
+        events: list[Event] = [Queued(q.key, w)]
+        self._refill(q, now, events)  # a parked holder needs no slot while it waits: it goes now
+        return events
 
     def release(self, key: str, session: str, *, now: float, reason: str = "release") -> list[Event]:
         """The session's slot returns to its queue (a no-op when it holds none)."""
@@ -996,7 +1018,7 @@ class Scheduler:
             return []
         events: list[Event] = []
         self._drop_lease(holder, Released(q.key, holder, reason), events)
-        self._fill(q, now, events)
+        self._refill(q, now, events)
         self._settle(q)
         return events
 
@@ -1033,6 +1055,14 @@ class Scheduler:
             self._refresh(holder, now, activity=False)
         return len(leases)
 
+    def parent_waits(self, key: str, session: str) -> bool:
+        """Whether the session holds a child's slot there while a parent waits: a hint, in its
+        beat replies, to hand the slot back at its next request boundary (cooperative: the
+        daemon never takes a live holder's slot)."""
+        q = self._find(key)
+        holder = q.holder_for(key, session) if q else None
+        return holder is not None and holder.role == CHILD and q is not None and q.head(PARENT) is not None
+
     def beat(self, key: str, session: str, *, now: float) -> bool:
         """A keyed activity beat: refresh that lease's TTL and activity.  False means the session
         holds no slot there (released, yielded, evicted): the client must re-queue."""
@@ -1042,6 +1072,22 @@ class Scheduler:
             return False
         self._refresh(holder, now, activity=True)
         return True
+
+    def park(self, key: str, session: str, *, now: float) -> tuple[bool, list[Event]]:
+        """A keyed beat that says the holder waits on another agent (``parked``): its TTL is
+        refreshed, and its slot goes to a waiter at once -- one queued now, or the first to come
+        while it stays parked.  A parked holder nobody needs keeps its slot (no switch); its
+        next activity beat un-parks it.  Returns (still held, events)."""
+        q = self._find(key)
+        holder = q.holder_for(key, session) if q else None
+        if q is None or holder is None:
+            return False, []
+        self._refresh(holder, now, activity=False)
+        holder.parked = True
+        q.parked[holder] = None
+        events: list[Event] = []
+        self._refill(q, now, events)
+        return holder.held, events
 
     def disconnect(self, conn: Conn, *, now: float, reason: str = "disconnect") -> list[Event]:
         """The connection is gone: drop what it queued, then release what it held."""
@@ -1060,7 +1106,7 @@ class Scheduler:
                 touched.append(holder.queue)
                 self._drop_lease(holder, Released(holder.queue.key, holder, reason), events)
         for q in touched:
-            self._fill(q, now, events)
+            self._refill(q, now, events)
         for q in touched:
             self._settle(q)
         return events
@@ -1096,7 +1142,7 @@ class Scheduler:
             q = holder.queue
             q.evictions += 1
             self._drop_lease(holder, Evicted(q.key, holder), events)
-            self._fill(q, now, events)
+            self._refill(q, now, events)
             touched.append(q)
         heap = self._idle_heap
         while heap and heap[0][0] <= now:
@@ -1153,6 +1199,8 @@ class Scheduler:
                 q.extra.append(h)  # the same session held in two queues that merged: both stay
             else:
                 q.holders[h.session] = h
+            if h.parked:
+                q.parked[h] = None
             if h.idle_at is not None:
                 self._push(self._idle_heap, h.idle_at, h)
         for w in waiters:
@@ -1191,7 +1239,7 @@ class Scheduler:
                     q.push(mine)
                     self._link_waiter(mine)
         for q in list(self._queues.values()):
-            self._fill(q, now, events)
+            self._refill(q, now, events)
             limit = q.policy.max_streams
             if limit is not None and q.held() > limit:
                 events.append(OverCapacity(q.key, q.held(), limit))
@@ -1220,6 +1268,7 @@ class Scheduler:
                 "grants": q.grants,
                 "queued": q.queued,
                 "idleYields": q.idle_yields,
+                "parkYields": q.park_yields,
                 "ttlEvictions": q.evictions,
             }
             if now is not None:
@@ -1292,6 +1341,9 @@ class Scheduler:
         if activity:
             holder.last_activity = now
             q = holder.queue
+            if holder.parked:  # work resumed
+                holder.parked = False
+                q.parked.pop(holder, None)
             if holder in q.idle:  # it spoke: no longer yieldable until its window passes again
                 del q.idle[holder]
                 idle_at = holder.idle_at
@@ -1344,6 +1396,7 @@ class Scheduler:
         elif holder in q.extra:
             q.extra.remove(holder)
         q.idle.pop(holder, None)
+        q.parked.pop(holder, None)
         for conn in holder.conns:
             mine = self._conn_leases.get(conn)
             if mine is not None:
@@ -1365,6 +1418,18 @@ class Scheduler:
             if gone is not None and gone.empty() and not gone.configured:
                 del self._queues[key]
                 self._idle_due.discard(gone)
+
+    def _refill(self, q: _Queue, now: float, events: list[Event]) -> None:
+        """Grant waiters into free slots, then parked holders hand their slots to waiters,
+        oldest parked first, while that grants someone (a queue left over capacity by a reload
+        gains nothing from a yield)."""
+        self._fill(q, now, events)
+        limit = q.policy.max_streams
+        while q.waiting and q.parked and (limit is None or q.held() <= limit):
+            holder = next(iter(q.parked))
+            q.park_yields += 1
+            self._drop_lease(holder, Released(q.key, holder, "parked"), events)
+            self._fill(q, now, events)
 
     def _pick(self, q: _Queue, now: float) -> Optional[Waiter]:
         parent, child = q.head(PARENT), q.head(CHILD)
@@ -1424,6 +1489,8 @@ class Request(NamedTuple):
     role: Optional[str] = None
     group: Optional[str] = None
     activity: bool = False
+    parked: bool = False  # additive, on a keyed renew: the holder waits on another agent
+    resume: bool = False  # additive, on acquire: a child handing back to a parent queues again first
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -1489,13 +1556,19 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     activity = msg.get("activity")
     if activity is not None and not isinstance(activity, bool):
         raise ProtocolError(f"activity must be true or false (got {_show(activity)})")
+    parked = msg.get("parked")
+    if parked is not None and not isinstance(parked, bool):
+        raise ProtocolError(f"parked must be true or false (got {_show(parked)})")
+    resume = msg.get("resume")
+    if resume is not None and not isinstance(resume, bool):
+        raise ProtocolError(f"resume must be true or false (got {_show(resume)})")
     if op in _KEYED_OPS and queue_key is None:
         raise ProtocolError(f"{op} requires queueKey")
     if op == "role" and role is None:
         raise ProtocolError("role requires role (parent or child)")
     if op == "renew" and queue_key is None and session_key is not None:
         raise ProtocolError("a keyed renew requires queueKey")
-    return Request(op, queue_key, session_key, role, group, bool(activity))
+    return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume))
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -1512,10 +1585,12 @@ def encode_granted(key: str, holder: Holder) -> bytes:
             f'{holder.terms.wire_json()},"seq":{holder.seq}}}\n').encode()
 
 
-def encode_beat(key: str, session: str, granted: bool) -> bytes:
-    """The reply to a keyed ``renew``."""
+def encode_beat(key: str, session: str, granted: bool, parent_waiting: bool = False) -> bytes:
+    """The reply to a keyed ``renew``; ``parentWaiting`` (additive, only when true): a child's
+    slot is wanted by a parent."""
+    hint = ',"parentWaiting":true' if parent_waiting else ""
     return (f'{{"op":"ok","queueKey":{_json_str(key)},"sessionKey":{_json_str(session)},'
-            f'"granted":{"true" if granted else "false"}}}\n').encode()
+            f'"granted":{"true" if granted else "false"}{hint}}}\n').encode()
 
 
 def _event_record(event: Event) -> list[dict[str, Any]]:
@@ -1977,7 +2052,7 @@ class Daemon:
         if op == "acquire":
             assert req.queue_key is not None
             self._apply(sched.acquire(c, req.queue_key, session, req.role or "parent", req.group,
-                                      req.activity, now=now))
+                                      req.activity, now=now, resume=req.resume))
         elif op == "release":
             assert req.queue_key is not None
             self._apply(sched.release(req.queue_key, session, now=now))
@@ -1986,9 +2061,14 @@ class Daemon:
             if req.queue_key is None:
                 sched.renew(c, now=now)
                 self._send(c, _OK)
+            elif req.parked:
+                granted, events = sched.park(req.queue_key, session, now=now)
+                self._apply(events)  # the handoff goes out first
+                self._send(c, encode_beat(req.queue_key, session, granted))
             else:
                 granted = sched.beat(req.queue_key, session, now=now)
-                self._send(c, encode_beat(req.queue_key, session, granted))
+                self._send(c, encode_beat(req.queue_key, session, granted,
+                                          granted and sched.parent_waits(req.queue_key, session)))
         elif op == "cancel":
             assert req.queue_key is not None
             self._apply(sched.cancel(req.queue_key, session, now=now))
@@ -2343,8 +2423,9 @@ class Lease:
     """A slot held through a ``Client``: its queue, session, tier and terms.
 
     While held, the client beats it at its terms' refresh period, except inside
-    ``with lease.blocking():`` (then only the connection's bare heartbeat keeps it alive, so the
-    daemon may hand it to a waiter if it stays silent past its idle-yield window).  ``lost``
+    ``with lease.blocking():``: then the lease is *parked* (one keyed beat says so, and only the
+    connection's bare heartbeat keeps it alive), so the daemon hands the slot to a waiter at
+    once, and keeps it for us when nobody waits.  ``lost``
     becomes true when a beat learns the slot is gone; ``ensure()`` queues again.  A lease with
     ``queued`` false was let through unqueued because the daemon could not be had (fail-open).
     """
@@ -2364,6 +2445,9 @@ class Lease:
         self.released = False
         self._blocking = 0
         self._next_beat = 0.0
+        self._parked = False  # the daemon was told this pause (a parked beat went out)
+        self._parent_waiting = False  # the last beat reply said a parent waits for this child's slot
+        self._resume = False  # the next acquire hands back: it queues ahead of the other children
 
     @property
     def held(self) -> bool:
@@ -2395,7 +2479,9 @@ class Lease:
         return self
 
     def blocking(self) -> _Blocking:
-        """A context in which the lease's keyed beat pauses (the run waits on another agent)."""
+        """A context in which the lease is parked (the run waits on another agent): its keyed
+        beat pauses, and a waiter gets the slot at once.  Leaving it resumes the beat at once;
+        a slot handed over meanwhile shows as ``lost``, and ``ensure()`` queues again."""
         return _Blocking(self)
 
     def __enter__(self) -> Lease:
@@ -2640,6 +2726,9 @@ class Client:
                 for pending in self._acquires.pop(key, ()):
                     pending.resolve(reply)
             elif op == "ok" and "granted" in reply:
+                hint = reply.get("parentWaiting") is True
+                for lease in self._leases.get(self._owner(*key), ()):
+                    lease._parent_waiting = hint
                 if reply.get("granted") is False:
                     for lease in self._leases.get(self._owner(*key), ()):
                         if lease.queued:
@@ -2712,6 +2801,19 @@ class Client:
         lease.lost = False
         self._wait_for_grant(lease, timeout)
 
+    def _hand_back(self, lease: Lease, timeout: Optional[float]) -> None:
+        """A child at its request boundary while a parent waits: the slot goes to the parent now
+        (the release), and the child queues again ahead of the other children (the acquire);
+        both go out back to back, so no other child slips in between."""
+        lease.lost = True
+        lease._parent_waiting = False
+        self._quietly({"op": "release", "queueKey": lease.queue_key, "sessionKey": lease.session_key})
+        lease._resume = True
+        try:
+            self._reacquire(lease, timeout)
+        finally:
+            lease._resume = False
+
     def _wait_for_grant(self, lease: Lease, timeout: Optional[float]) -> None:
         with self._cv:
             cancels = self._cancels.get(self._owner(lease.queue_key, lease.session_key), 0)
@@ -2746,9 +2848,11 @@ class Client:
                 self._send({"op": "renew"}, connect=False, generation=generation)
             # On the connection it was registered on: if that one dies first, the pending is
             # released (dead) with it, never silently re-sent elsewhere.
-            self._send({"op": "acquire", "queueKey": lease.queue_key, "sessionKey": lease.session_key,
-                        "role": lease.role, "group": lease.group, "activity": lease.activity},
-                       connect=False, generation=generation)
+            message = {"op": "acquire", "queueKey": lease.queue_key, "sessionKey": lease.session_key,
+                       "role": lease.role, "group": lease.group, "activity": lease.activity}
+            if lease._resume:
+                message["resume"] = True
+            self._send(message, connect=False, generation=generation)
         except DaemonUnavailable as e:
             if pending.dead:
                 return pending  # the connection broke under the send: the caller may ask again
@@ -2932,9 +3036,10 @@ class Client:
         return None
 
     def session(self, queue_key: str, session_key: Optional[str] = None, role: str = "parent",
-                group: Optional[str] = None, grace_ms: int = GRACE_MS) -> Session:
+                group: Optional[str] = None, grace_ms: int = GRACE_MS,
+                yield_on_settle: Optional[bool] = None) -> Session:
         """A Session: turn-based affinity for one agent session on one queue."""
-        return Session(self, queue_key, session_key, role, group, grace_ms)
+        return Session(self, queue_key, session_key, role, group, grace_ms, yield_on_settle)
 
     def close(self) -> None:
         """Say ``bye`` (everything this process holds or queued is let go now) and disconnect.
@@ -3012,9 +3117,15 @@ class Client:
                         continue
                     period = min(lease.terms.refresh_period_ms() for lease in held) / 1000.0
                     active = [lease for lease in held if not lease._blocking]
-                    if not active:  # every user of the slot waits on another agent
+                    if not active:  # every user of the slot waits on another agent: parked
                         paused_period = period if paused_period is None else min(paused_period, period)
+                        if not held[0]._parked and any(lease.activity for lease in held):
+                            for lease in held:
+                                lease._parked = True
+                            actions.append(self._beat_action(held[0], parked=True))
                         continue
+                    for lease in held:
+                        lease._parked = False  # its activity beat un-parks it
                     if min(lease._next_beat for lease in active) <= now:  # one beat per session
                         for lease in active:
                             lease._next_beat = now + period
@@ -3038,8 +3149,10 @@ class Client:
                 except Exception as e:  # a failing callback must not stop the beats
                     self.on_warning(f"llmqueue: background call failed: {e!r}")
 
-    def _beat_action(self, lease: Lease) -> Callable[[], None]:
-        message = {"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key}
+    def _beat_action(self, lease: Lease, parked: bool = False) -> Callable[[], None]:
+        message: dict[str, Any] = {"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key}
+        if parked:
+            message["parked"] = True  # additive: an older daemon ignores it (and idle-yields later)
         return lambda: self._quietly(message)
 
 
@@ -3051,12 +3164,18 @@ class Session:
     later; an exception out of the run aborts it (the slot is let go at once).  Inside a run,
     ``with session.request():`` makes sure the slot is still held before each model request
     (re-queueing if it was lost), and ``with session.blocking():`` or ``session.tool(name)``
-    pauses the activity beat while the run waits on another agent.  ``abort()`` cancels from any
-    thread (a queued acquire raises Cancelled); ``close()`` releases at once (shutdown).
+    parks the lease while the run waits on another agent: a waiter gets the slot at once, and
+    the next ``request()`` queues again.  A settled run is parked through its grace the same
+    way (a subagent at once, a parent after ``PARENT_HANDBACK_MS``), so the grace keeps the slot
+    switch-free only while nobody waits.  A subagent's ``request()`` hands the slot back when a
+    parent waits (never mid-stream, and only after one request on the grant) and queues again
+    ahead of the other subagents.  ``abort()`` cancels from any thread (a queued acquire raises
+    Cancelled); ``close()`` releases at once (shutdown).
     """
 
     def __init__(self, client: Client, queue_key: str, session_key: Optional[str] = None,
-                 role: str = "parent", group: Optional[str] = None, grace_ms: int = GRACE_MS) -> None:
+                 role: str = "parent", group: Optional[str] = None, grace_ms: int = GRACE_MS,
+                 yield_on_settle: Optional[bool] = None) -> None:
         import uuid
 
         self.client = client
@@ -3065,7 +3184,13 @@ class Session:
         self.role = role
         self.group = group
         self.grace_ms = grace_ms
+        # A settled run parks through its grace: its slot goes to a waiter (at once for a
+        # subagent, whose work is done; after PARENT_HANDBACK_MS for a parent), and the grace
+        # keeps it switch-free only while nobody waits.
+        self.yield_on_settle = True if yield_on_settle is None else yield_on_settle
         self.lease: Optional[Lease] = None
+        self._served: Optional[int] = None  # the grant (its seq) this session has made a request on
+        self._settled: Optional[_Blocking] = None  # the parked grace of a settled run
         self._cancel_grace: Optional[Callable[[], None]] = None
         self._turn = 0  # bumped by every start/abort/close: a grace release from before is void
         self._lock = threading.Lock()
@@ -3075,6 +3200,12 @@ class Session:
         if self._cancel_grace is not None:
             self._cancel_grace()
             self._cancel_grace = None
+        self._unpark()
+
+    def _unpark(self) -> None:
+        if self._settled is not None:
+            self._settled.__exit__(None, None, None)
+            self._settled = None
 
     def start(self, timeout: Optional[float] = None) -> Lease:
         """The run starts: hold the slot (a pending grace release is called off)."""
@@ -3102,11 +3233,26 @@ class Session:
                     if self._turn != turn:  # a run started (or ended) since: not ours to release
                         return
                     self._cancel_grace = None
+                    self._unpark()
                     if self.lease is lease:
                         self.lease = None
                 lease.release()
 
             self._cancel_grace = self.client.call_later(self.grace_ms / 1000.0, release)
+            if not self.yield_on_settle:
+                return
+            if self.role == "child":
+                self._settled = lease.blocking()
+                self._settled.__enter__()
+                return
+
+            def park() -> None:
+                with self._lock:
+                    if self._turn == turn and self._settled is None and not lease.released:
+                        self._settled = lease.blocking()
+                        self._settled.__enter__()
+
+            self.client.call_later(PARENT_HANDBACK_MS / 1000.0, park)
 
     def abort(self) -> None:
         """Esc: a queued request is dropped (its acquire raises Cancelled), a held slot released."""
@@ -3165,10 +3311,19 @@ class _Request:
         self.timeout = timeout
 
     def __enter__(self) -> Lease:
-        lease = self.session.lease
+        session = self.session
+        lease = session.lease
         if lease is None or lease.released:
-            return self.session.start(self.timeout)
-        return lease.ensure(self.timeout)
+            lease = session.start(self.timeout)
+        else:
+            lease.ensure(self.timeout)  # its beat's reply also says whether a parent waits
+            if (session.role == "child" and lease.held and lease._parent_waiting
+                    and lease.seq is not None and session._served == lease.seq):
+                # A request boundary, a parent waiting, and this grant has served us at least
+                # once: hand the slot back now, never mid-stream, and queue again first.
+                session.client._hand_back(lease, self.timeout)
+        session._served = lease.seq
+        return lease
 
     def __exit__(self, *exc: Any) -> None:
         pass
@@ -3299,8 +3454,11 @@ class Proxy:
         with self._lock:
             ps = self._sessions.get(key)
             if ps is None:
+                # yield_on_settle off: a proxy session settles after every response, and its
+                # grace is what keeps its context across the tool call before its next request.
                 ps = self._sessions[key] = _ProxySession(
-                    self.client.session(self.queue_key, key, role, grace_ms=self.grace_ms), own)
+                    self.client.session(self.queue_key, key, role, grace_ms=self.grace_ms,
+                                        yield_on_settle=False), own)
             ps.inflight += 1
         waiting = threading.Event()
         if client_sock is not None:

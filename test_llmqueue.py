@@ -298,6 +298,8 @@ op_strategy = st.one_of(
     st.tuples(st.just("cancel"), st.sampled_from(SESSIONS)),
     st.tuples(st.just("role"), st.sampled_from(SESSIONS), st.sampled_from(lq.ROLES)),
     st.tuples(st.just("disconnect"), st.sampled_from(CONNS)),
+    st.tuples(st.just("park"), st.sampled_from(SESSIONS)),
+    st.tuples(st.just("beat"), st.sampled_from(SESSIONS)),
 )
 
 
@@ -305,9 +307,10 @@ op_strategy = st.one_of(
 @given(st.integers(1, 3), st.lists(op_strategy, max_size=60))
 def test_property_slots_never_exceed_max_and_no_waiter_is_lost_or_duplicated(
         max_streams: int, ops: list[tuple[Any, ...]]) -> None:
-    """Whatever the sequence of acquire/release/cancel/role/disconnect: holders never exceed
-    maxStreams, a full queue's every pending acquire is waiting exactly once, a free slot never
-    coexists with a waiter, and (aging off) grants follow tier then FIFO."""
+    """Whatever the sequence of acquire/release/cancel/role/disconnect/park/beat: holders never
+    exceed maxStreams, a full queue's every pending acquire is waiting exactly once, neither a
+    free slot nor a parked holder ever coexists with a waiter, and (aging off) grants follow
+    tier then FIFO."""
     s = one({"maxStreams": max_streams, "agingAfterSlots": 0, "agingAfterMs": 0})
     pending: dict[str, set[str]] = {}  # session -> connections waiting for its grant
     held: set[str] = set()
@@ -315,11 +318,23 @@ def test_property_slots_never_exceed_max_and_no_waiter_is_lost_or_duplicated(
     enq: dict[str, int] = {}
     order = 0
     now = T0
+    parked: set[str] = set()
     for op in ops:
         now += 1
-        if op[0] == "acquire":
+        if op[0] == "park":
+            still, events = s.park(K, op[1], now=now)
+            if op[1] in held:
+                parked.add(op[1])
+            else:
+                assert (still, events) == (False, [])
+        elif op[0] == "beat":
+            assert s.beat(K, op[1], now=now) == (op[1] in held)
+            parked.discard(op[1])
+            events = []
+        elif op[0] == "acquire":
             _, conn, session, role = op
             events = s.acquire(conn, K, session, role, now=now)
+            parked.discard(session)  # a holder's own acquire is activity: it un-parks
             if session not in held:
                 if session not in pending:
                     order += 1
@@ -345,6 +360,9 @@ def test_property_slots_never_exceed_max_and_no_waiter_is_lost_or_duplicated(
         for e in events:
             if isinstance(e, (lq.Released, lq.Evicted)):
                 held.discard(e.holder.session)
+                parked.discard(e.holder.session)
+                if isinstance(e, lq.Released) and e.reason == "parked":
+                    assert e.holder.parked
         for g in grants:
             session = g.holder.session
             if g.switch:  # a waiter granted: it must be the best-placed pending one
@@ -358,6 +376,7 @@ def test_property_slots_never_exceed_max_and_no_waiter_is_lost_or_duplicated(
         assert set(hs) == held
         assert sorted(ws) == sorted(pending) and len(ws) == len(set(ws))
         assert not (ws and len(hs) < max_streams)
+        assert not (ws and parked), (ws, parked)
 
 
 # -- the scheduler: leases, the sweep, idle yield --------------------------------------------------
@@ -452,6 +471,90 @@ def test_a_keyed_beat_keeps_an_active_holder_from_yielding() -> None:
     s2.acquire("c2", K, "B", now=T0 + 260)
     assert s2.sweep(now=T0 + 300) == []
     assert [type(e) for e in s2.sweep(now=T0 + 350)] == [lq.Released, lq.Granted]
+
+
+# -- the scheduler: parking (a holder waiting on another agent) ---------------------------------
+
+
+def test_a_parked_holder_hands_its_slot_to_a_queued_waiter_at_once() -> None:
+    s = one({"idleYieldMs": 30_000})
+    s.acquire("c1", K, "A", activity=True, now=T0)
+    s.acquire("c2", K, "B", "child", now=T0 + 1)
+    held, events = s.park(K, "A", now=T0 + 2)  # long before the idle window
+    assert held is False
+    assert [type(e) for e in events] == [lq.Released, lq.Granted]
+    assert events[0].reason == "parked"  # type: ignore[union-attr]
+    assert events[1].switch and holders(s) == ["B"]  # type: ignore[union-attr]
+    assert s.beat(K, "A", now=T0 + 3) is False  # it learns on its next beat, and queues again
+    assert s.status()[0]["parkYields"] == 1 and s.status()[0]["idleYields"] == 0
+
+
+def test_a_parked_holder_nobody_needs_keeps_its_slot_until_a_waiter_comes() -> None:
+    s = one({"idleYieldMs": 30_000})
+    s.acquire("c1", K, "A", activity=True, now=T0)
+    assert s.park(K, "A", now=T0 + 1) == (True, [])  # no switch, no re-prefill
+    assert s.sweep(now=T0 + 5000) == []
+    events = s.acquire("c2", K, "B", now=T0 + 6000)  # arrives while A is still parked
+    assert [type(e) for e in events] == [lq.Queued, lq.Released, lq.Granted]
+    assert events[1].reason == "parked" and holders(s) == ["B"]  # type: ignore[union-attr]
+
+
+def test_an_activity_beat_unparks_and_a_later_waiter_waits() -> None:
+    s = one({"idleYieldMs": 30_000})
+    s.acquire("c1", K, "A", activity=True, now=T0)
+    s.park(K, "A", now=T0 + 1)
+    assert s.beat(K, "A", now=T0 + 2) is True  # work resumed
+    assert [type(e) for e in s.acquire("c2", K, "B", now=T0 + 3)] == [lq.Queued]
+    assert holders(s) == ["A"] and waiters(s) == ["B"]
+    assert s.sweep(now=T0 + 29_000) == []  # only the idle window still applies, as before
+
+
+def test_a_bare_heartbeat_keeps_a_parked_lease_alive_and_parked() -> None:
+    s = one({"leaseTtlMs": 1000, "idleYieldMs": 30_000})
+    s.acquire("c1", K, "A", activity=True, now=T0)
+    s.park(K, "A", now=T0 + 1)
+    for t in range(300, 3000, 300):
+        s.renew("c1", now=T0 + t)
+        assert s.sweep(now=T0 + t) == []
+    assert holders(s) == ["A"]
+    assert granted(s.acquire("c2", K, "B", now=T0 + 3000)) == ["B"]
+
+
+def test_parking_a_session_that_holds_nothing_says_not_held() -> None:
+    s = one({})
+    assert s.park(K, "nobody", now=T0) == (False, [])
+    s.acquire("c1", K, "A", now=T0)
+    assert s.park("http://elsewhere:1/v1", "A", now=T0) == (False, [])
+
+
+def test_parked_holders_yield_oldest_parked_first_and_only_into_room() -> None:
+    s = one({"maxStreams": 2, "idleYieldMs": 30_000})
+    s.acquire("c1", K, "A", activity=True, now=T0)
+    s.acquire("c2", K, "B", activity=True, now=T0 + 1)
+    s.park(K, "B", now=T0 + 2)
+    s.park(K, "A", now=T0 + 3)
+    events = s.acquire("c3", K, "W", now=T0 + 4)
+    assert [(type(e).__name__, e.holder.session) for e in events[1:]] == [  # type: ignore[union-attr]
+        ("Released", "B"), ("Granted", "W")]
+    assert holders(s) == ["A", "W"]  # one waiter takes one slot: A stays parked, holding
+    # Over capacity after a reload: a yield would grant nobody, so nobody yields.
+    cfg, _, _ = lq.validate_config({"defaults": {"maxStreams": 1, "idleYieldMs": 30_000}})
+    s.reconfigure(lq.Addressing(cfg), now=T0 + 5)
+    s.park(K, "W", now=T0 + 6)
+    assert [type(e) for e in s.acquire("c4", K, "X", now=T0 + 7)] == [lq.Queued]
+    assert holders(s) == ["A", "W"] and waiters(s) == ["X"]
+    events = s.release(K, "A", now=T0 + 8)  # back at capacity, with W still parked: X gets W's slot
+    assert [(type(e).__name__, e.holder.session) for e in events] == [  # type: ignore[union-attr]
+        ("Released", "A"), ("Released", "W"), ("Granted", "X")]
+
+
+def test_a_reload_keeps_a_holder_parked() -> None:
+    s = one({"idleYieldMs": 30_000})
+    s.acquire("c1", K, "A", activity=True, now=T0)
+    s.park(K, "A", now=T0 + 1)
+    cfg, _, _ = lq.validate_config({"defaults": {"leaseTtlMs": 60_000}})
+    s.reconfigure(lq.Addressing(cfg), now=T0 + 2)
+    assert granted(s.acquire("c2", K, "B", now=T0 + 3)) == ["B"]
 
 
 def test_the_sweep_has_no_deadline_without_leases() -> None:
@@ -905,6 +1008,7 @@ reload_ops = st.one_of(
     st.tuples(st.just("release"), st.sampled_from(KEYS), st.sampled_from(SESSIONS[:3])),
     st.tuples(st.just("cancel"), st.sampled_from(KEYS), st.sampled_from(SESSIONS[:3])),
     st.tuples(st.just("disconnect"), st.sampled_from(CONNS)),
+    st.tuples(st.just("park"), st.sampled_from(KEYS), st.sampled_from(SESSIONS[:3])),
     st.tuples(st.just("reload"), st.integers(0, len(CONFIGS) - 1)),
 )
 
@@ -946,6 +1050,8 @@ def check_reloads(ops: list[tuple[Any, ...]]) -> None:
             events = s.cancel(op[1], op[2], now=now)
         elif op[0] == "disconnect":
             events = s.disconnect(op[1], now=now)
+        elif op[0] == "park":
+            events = s.park(op[1], op[2], now=now)[1]
         else:
             events = s.reconfigure(addressing(op[1]), now=now)
         for e in events:

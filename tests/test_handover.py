@@ -1,0 +1,288 @@
+"""Handing the slot over without waiting (issue 13, first part): a parked holder, and a settled
+subagent, give their slot to a waiter at once.
+
+Through a real socket: a keyed ``renew`` with ``parked: true`` hands the holder's slot to a queued
+waiter at once (long before the idle-yield window), or to the first waiter to come while it stays
+parked; a parked holder nobody needs keeps its slot; an activity beat un-parks it; its reply says
+``granted: false`` once the slot is gone; the yield is logged as a ``release`` with reason
+``parked`` and counted as ``parkYields`` in ``status``; a bad ``parked`` is an error reply that
+changes nothing.  A client that never sends ``parked`` keeps the seed's behaviour (the idle-yield
+suites in test_leases.py).
+
+Through ``Client``: ``session.blocking()`` and a blocking tool park the lease (a waiting session is
+granted at once, and the parked session queues again at its next request); a parked session that
+nobody needed resumes switch-free; a settled subagent hands over at once and keeps its slot
+through the grace only while nobody waits; a settled parent keeps its slot for
+``PARENT_HANDBACK_MS`` (a follow-up run starts switch-free), then hands over.
+
+Handing back: a child holder's keyed beat reply says ``parentWaiting: true`` while a parent
+waits; an ``acquire`` with ``resume: true`` queues a child ahead of the other children; a child
+``Session`` hands its slot back at its next request boundary (after at least one request on the
+grant, never mid-request) and is granted again right after the parent, ahead of another child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, Dict, List
+
+import llmqueue as lq
+from tests.harness import DaemonProc, Peer, started, wait_for
+
+K = "http://127.0.0.1:8001/v1"
+SOON = 1.0  # "at once", on a loaded machine: far below the 30 s idle-yield window
+
+
+def acquire(session: str, role: str = "parent") -> Dict[str, Any]:
+    return {"op": "acquire", "queueKey": K, "sessionKey": session, "role": role, "activity": True}
+
+
+def park(session: str) -> Dict[str, Any]:
+    return {"op": "renew", "queueKey": K, "sessionKey": session, "parked": True}
+
+
+def beat(session: str) -> Dict[str, Any]:
+    return {"op": "renew", "queueKey": K, "sessionKey": session}
+
+
+def log_lines(d: DaemonProc) -> List[Dict[str, Any]]:
+    path = os.path.join(d.agent_dir, "events.log")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def logged(d: DaemonProc) -> Dict[str, Any]:
+    return {"defaults": {"logFile": os.path.join(d.agent_dir, "events.log")}}
+
+
+# -- the wire ---------------------------------------------------------------------------------------
+
+
+def test_a_parked_holder_hands_its_slot_to_a_queued_waiter_at_once() -> None:
+    for d in started():
+        d.write_config(logged(d))
+        time.sleep(1.3)  # the config poll picks the log up
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        b.send(acquire("B", "child"))
+        wait_for(lambda: d.waiting(K) == ["B"])
+        sent = time.monotonic()
+        a.send(park("A"))
+        assert b.recv(SOON)["op"] == "granted"
+        assert time.monotonic() - sent < SOON
+        assert a.recv(SOON) == {"op": "ok", "queueKey": K, "sessionKey": "A", "granted": False}
+        q = d.queue(K)
+        assert [h["sessionKey"] for h in q["holders"]] == ["B"] and q["parkYields"] == 1 and q["idleYields"] == 0
+        assert a.ask(beat("A"))["granted"] is False  # it learns, and queues again
+        releases = [e for e in wait_for(lambda: log_lines(d)) if e["event"] == "release"]
+        assert [(e["sessionKey"], e["reason"]) for e in releases] == [("A", "parked")]
+
+
+def test_a_parked_holder_nobody_needs_keeps_its_slot_until_a_waiter_comes() -> None:
+    for d in started():
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        assert a.ask(park("A")) == {"op": "ok", "queueKey": K, "sessionKey": "A", "granted": True}
+        time.sleep(0.3)
+        assert d.holders(K) == ["A"] and d.queue(K)["switches"] == 0  # no switch, no re-prefill
+        b.send(acquire("B"))
+        assert b.recv(SOON)["op"] == "granted"  # arrives while A is parked: granted at once
+        assert d.holders(K) == ["B"]
+
+
+def test_an_activity_beat_unparks_the_holder() -> None:
+    for d in started():
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        a.ask(park("A"))
+        assert a.ask(beat("A"))["granted"] is True  # work resumed
+        b.send(acquire("B"))
+        assert b.silent(0.3)
+        assert d.holders(K) == ["A"] and d.waiting(K) == ["B"]
+
+
+def test_a_bad_parked_field_is_an_error_reply_that_changes_nothing() -> None:
+    for d in started():
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        b.send(acquire("B"))
+        wait_for(lambda: d.waiting(K) == ["B"])
+        reply = a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": "yes"})
+        assert reply["op"] == "error" and "parked must be true or false" in reply["reason"]
+        assert b.silent(0.2)
+        assert d.holders(K) == ["A"] and d.waiting(K) == ["B"]
+        assert a.ask(park("A"))["granted"] is False  # the connection still works
+        assert b.recv(SOON)["op"] == "granted"
+
+
+# -- through Client ---------------------------------------------------------------------------------
+
+
+class Asker(threading.Thread):
+    """Acquires ``session`` in a thread of its own; the thread ends when it is granted."""
+
+    def __init__(self, client: lq.Client, session: str, role: str = "parent") -> None:
+        super().__init__(daemon=True)
+        self.client, self.session, self.role = client, session, role
+        self.lease: Any = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.lease = self.client.acquire(K, self.session, self.role, timeout=20)
+        except lq.LLMQueueError:
+            pass  # the test closed the client while this one still waited
+
+
+def grant_after(client: lq.Client, session: str, role: str = "parent") -> Asker:
+    return Asker(client, session, role)
+
+
+def test_blocking_hands_the_slot_to_a_waiting_session_at_once_and_the_next_request_queues_again() -> None:
+    for d in started():  # the default idle-yield window: 30 s
+        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+        try:
+            parent = client.session(K, "parent", "parent")
+            with parent.run():
+                other = grant_after(client, "sub1", "child")
+                wait_for(lambda: d.waiting(K) == ["sub1"])
+                sent = time.monotonic()
+                with parent.tool("subagent"):  # a blocking tool: parked
+                    other.join(SOON + 1.0)
+                    assert not other.is_alive() and time.monotonic() - sent < SOON
+                    assert d.holders(K) == ["sub1"]
+                    assert d.queue(K)["parkYields"] == 1
+                    releaser = threading.Timer(0.3, lambda: other.lease.release())
+                    releaser.start()
+                with parent.request(timeout=10) as lease:  # queues again, granted when sub1 lets go
+                    assert lease.held and d.holders(K) == ["parent"]
+        finally:
+            client.close()
+
+
+def test_a_parked_session_nobody_needs_resumes_switch_free() -> None:
+    for d in started():
+        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+        try:
+            s = client.session(K, "solo", "parent")
+            with s.run() as lease:
+                with s.blocking():
+                    time.sleep(0.3)
+                    assert d.holders(K) == ["solo"]
+                with s.request():
+                    assert lease.held and not lease.lost
+            assert d.queue(K)["switches"] == 0 and d.queue(K)["grants"] == 1
+        finally:
+            client.close()
+
+
+def test_a_settled_subagent_hands_over_at_once_and_keeps_its_slot_only_while_nobody_waits() -> None:
+    for d in started():
+        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+        try:
+            child = client.session(K, "sub1", "child", grace_ms=3000)
+            with child.run():
+                pass
+            time.sleep(0.3)
+            assert d.holders(K) == ["sub1"]  # nobody waits: kept through the grace
+            with child.run():  # the next run within the grace: switch-free
+                pass
+            assert d.queue(K)["grants"] == 1
+            sent = time.monotonic()
+            other = grant_after(client, "sub2", "child")
+            other.join(SOON + 1.0)
+            assert not other.is_alive() and time.monotonic() - sent < SOON  # not after the 3 s grace
+            assert d.holders(K) == ["sub2"]
+        finally:
+            client.close()
+
+
+def test_a_settled_parent_keeps_its_slot_for_the_handback_window_then_hands_over() -> None:
+    for d in started():
+        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+        try:
+            parent = client.session(K, "main", "parent", grace_ms=5000)
+            with parent.run():
+                pass
+            sent = time.monotonic()
+            other = grant_after(client, "sub1", "child")
+            other.join(5.0)
+            waited = time.monotonic() - sent
+            assert not other.is_alive()
+            window = lq.PARENT_HANDBACK_MS / 1000.0
+            assert window - 0.2 <= waited <= window + SOON, f"handed over after {waited:.2f} s"
+        finally:
+            client.close()
+
+
+def test_a_parent_whose_next_run_starts_within_the_window_keeps_its_slot_switch_free() -> None:
+    for d in started():
+        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+        try:
+            parent = client.session(K, "main", "parent")
+            with parent.run():
+                pass
+            other = grant_after(client, "sub1", "child")
+            wait_for(lambda: d.waiting(K) == ["sub1"])
+            with parent.run():  # woken again at once: same grant
+                time.sleep(lq.PARENT_HANDBACK_MS / 1000.0 + 0.3)
+                assert d.holders(K) == ["main"] and other.is_alive()
+            assert d.queue(K)["grants"] == 1
+        finally:
+            client.close()
+
+
+# -- handing back to a waiting parent --------------------------------------------------------------
+
+
+def test_a_childs_beat_reply_says_a_parent_waits_and_resume_queues_it_ahead_of_other_children() -> None:
+    for d in started():
+        c, b, p = d.peer(), d.peer(), d.peer()
+        assert c.ask(acquire("C", "child"))["op"] == "granted"
+        b.send(acquire("B", "child"))
+        wait_for(lambda: d.waiting(K) == ["B"])
+        assert "parentWaiting" not in c.ask(beat("C"))  # additive: absent while no parent waits
+        p.send(acquire("P", "parent"))
+        wait_for(lambda: d.waiting(K) == ["B", "P"])
+        assert c.ask(beat("C")) == {"op": "ok", "queueKey": K, "sessionKey": "C", "granted": True,
+                                    "parentWaiting": True}
+        # The hand back: release, then queue again with resume, back to back.
+        c.send({"op": "release", "queueKey": K, "sessionKey": "C"})
+        c.send({**acquire("C", "child"), "resume": True})
+        assert p.recv(SOON)["op"] == "granted"
+        assert c.recv(SOON) == {"op": "ok"}
+        wait_for(lambda: sorted(d.waiting(K)) == ["B", "C"])
+        assert p.ask({"op": "release", "queueKey": K, "sessionKey": "P"}) == {"op": "ok"}
+        assert c.recv(SOON)["op"] == "granted"  # ahead of B, which queued first
+        assert b.silent(0.1)
+        reply = c.ask({**acquire("X"), "resume": 1})
+        assert reply["op"] == "error" and "resume must be true or false" in reply["reason"]
+
+
+def test_a_child_session_hands_back_at_its_next_request_and_is_next_after_the_parent() -> None:
+    for d in started():
+        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+        try:
+            child = client.session(K, "sub1", "child")
+            with child.run():
+                with child.request():
+                    pass  # its first request on this grant: kept even if a parent came now
+                other = grant_after(client, "sub2", "child")
+                wait_for(lambda: d.waiting(K) == ["sub2"])
+                parent = grant_after(client, "main", "parent")
+                wait_for(lambda: d.waiting(K) == ["sub2", "main"])
+                time.sleep(0.2)
+                assert d.holders(K) == ["sub1"]  # cooperative: never taken mid-request
+                releaser = threading.Timer(0.3, lambda: parent.lease.release())
+                releaser.start()
+                with child.request(timeout=10) as lease:  # the boundary: the parent goes first
+                    assert not parent.is_alive()
+                    assert lease.held and d.holders(K) == ["sub1"]  # back, ahead of sub2
+                    assert other.is_alive()
+        finally:
+            client.close()
