@@ -3187,7 +3187,7 @@ class Session:
         # A settled run parks through its grace: its slot goes to a waiter (at once for a
         # subagent, whose work is done; after PARENT_HANDBACK_MS for a parent), and the grace
         # keeps it switch-free only while nobody waits.
-        self.yield_on_settle = True if yield_on_settle is None else yield_on_settle
+        self.yield_on_settle = True if yield_on_settle is None else yield_on_settle  # False: never parks
         self.lease: Optional[Lease] = None
         self._served: Optional[int] = None  # the grant (its seq) this session has made a request on
         self._settled: Optional[_Blocking] = None  # the parked grace of a settled run
@@ -3272,6 +3272,27 @@ class Session:
     def run(self, timeout: Optional[float] = None) -> _Run:
         return _Run(self, timeout)
 
+    def _before_request(self, timeout: Optional[float], may_hand_back: bool = True,
+                        starts_run: bool = False) -> Lease:
+        """A request boundary: hold the slot (queueing again if it was lost), and hand it back
+        first when a parent waits for this child's slot.  ``starts_run``: the request is a run
+        of its own (the proxy's), so a pending grace release is called off first."""
+        if starts_run:
+            with self._lock:
+                self._call_off_grace()
+        lease = self.lease
+        if lease is None or lease.released:
+            lease = self.start(timeout)
+        else:
+            lease.ensure(timeout)  # its beat's reply also says whether a parent waits
+            if (may_hand_back and self.role == "child" and lease.held and lease._parent_waiting
+                    and lease.seq is not None and self._served == lease.seq):
+                # A parent waits, and this grant has served us at least once: the slot goes to
+                # the parent now, never mid-stream, and we queue again ahead of the children.
+                self.client._hand_back(lease, timeout)
+        self._served = lease.seq
+        return lease
+
     def request(self, timeout: Optional[float] = None) -> _Request:
         return _Request(self, timeout)
 
@@ -3311,19 +3332,7 @@ class _Request:
         self.timeout = timeout
 
     def __enter__(self) -> Lease:
-        session = self.session
-        lease = session.lease
-        if lease is None or lease.released:
-            lease = session.start(self.timeout)
-        else:
-            lease.ensure(self.timeout)  # its beat's reply also says whether a parent waits
-            if (session.role == "child" and lease.held and lease._parent_waiting
-                    and lease.seq is not None and session._served == lease.seq):
-                # A request boundary, a parent waiting, and this grant has served us at least
-                # once: hand the slot back now, never mid-stream, and queue again first.
-                session.client._hand_back(lease, self.timeout)
-        session._served = lease.seq
-        return lease
+        return self.session._before_request(self.timeout)
 
     def __exit__(self, *exc: Any) -> None:
         pass
@@ -3454,11 +3463,12 @@ class Proxy:
         with self._lock:
             ps = self._sessions.get(key)
             if ps is None:
-                # yield_on_settle off: a proxy session settles after every response, and its
-                # grace is what keeps its context across the tool call before its next request.
+                # A proxy session settles after every response: a subagent's grace is what keeps
+                # its context across the tool call before its next request, so it never parks
+                # at settle (it still hands back to a waiting parent at its next request).
                 ps = self._sessions[key] = _ProxySession(
                     self.client.session(self.queue_key, key, role, grace_ms=self.grace_ms,
-                                        yield_on_settle=False), own)
+                                        yield_on_settle=None if role == "parent" else False), own)
             ps.inflight += 1
         waiting = threading.Event()
         if client_sock is not None:
@@ -3466,7 +3476,9 @@ class Proxy:
                              name="llmqueue-proxy-watch", daemon=True).start()
         try:
             with ps.starting:  # concurrent requests of one session share one acquire
-                ps.session.start()
+                with self._lock:
+                    alone = ps.inflight == 1  # nothing of this session streams: a boundary
+                ps.session._before_request(None, may_hand_back=alone, starts_run=True)
         except BaseException:
             self.end(key, ok=False)
             raise

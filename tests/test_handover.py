@@ -286,3 +286,69 @@ def test_a_child_session_hands_back_at_its_next_request_and_is_next_after_the_pa
                     assert other.is_alive()
         finally:
             client.close()
+
+
+# -- the proxy gets the same policy -----------------------------------------------------------------
+
+
+class _Proxy:
+    def __init__(self, upstream: str, agent_dir: str, grace_ms: int = 3000) -> None:
+        self.client = lq.Client(agent_dir, autostart=False, fail_open=False)
+        self.proxy = lq.Proxy(upstream, client=self.client, listen=("127.0.0.1", 0), grace_ms=grace_ms)
+        self.thread = threading.Thread(target=self.proxy.serve_forever, args=(0.02,), daemon=True)
+        self.thread.start()
+
+    def ask(self, session: str, role: str, who: str) -> threading.Thread:
+        from tests.test_kvsim import payload, post
+
+        port = self.proxy.server.server_address[1]
+        body = payload([{"role": "user", "content": f"{who} hello"}], user=who)
+        t = threading.Thread(target=post, args=(port, body, f"/s/{session}/{role}/v1/chat/completions"), daemon=True)
+        t.start()
+        return t
+
+    def close(self) -> None:
+        self.proxy.shutdown()
+        self.client.close()
+
+
+def test_proxy_a_subagent_hands_back_to_a_waiting_parent_at_its_next_request() -> None:
+    from tests.kvsim import KVSim
+    from tests.test_kvsim import record
+
+    for d in started():
+        with KVSim(prefill_ms=0.05, decode_ms=2.0) as sim:
+            p = _Proxy(sim.base, d.agent_dir)
+            try:
+                p.ask("sub", "child", "sub-1").join(10)  # sub holds through its grace now
+                wait_for(lambda: d.holders(sim.base) == ["sub"])
+                parent = p.ask("main", "parent", "main-1")
+                wait_for(lambda: d.waiting(sim.base) == ["main"])
+                time.sleep(0.2)
+                assert d.holders(sim.base) == ["sub"]  # nobody takes a held slot
+                second = p.ask("sub", "child", "sub-2")  # sub's next request: the boundary
+                parent.join(10)
+                second.join(10)
+                first, after = record(sim, "main-1"), record(sim, "sub-2")
+                assert first["end"] <= after["start"], "the parent went first"
+                assert first["start"] - record(sim, "sub-1")["end"] < 1.5  # not after sub's 3 s grace
+            finally:
+                p.close()
+
+
+def test_proxy_a_settled_parent_hands_over_after_its_handback_window_not_its_grace() -> None:
+    from tests.kvsim import KVSim
+    from tests.test_kvsim import record
+
+    for d in started():
+        with KVSim(prefill_ms=0.05, decode_ms=0.5) as sim:
+            p = _Proxy(sim.base, d.agent_dir, grace_ms=5000)
+            try:
+                p.ask("main", "parent", "main-1").join(10)
+                child = p.ask("sub", "child", "sub-1")
+                child.join(10)
+                waited = record(sim, "sub-1")["start"] - record(sim, "main-1")["end"]
+                window = lq.PARENT_HANDBACK_MS / 1000
+                assert window - 0.2 <= waited < window + SOON, f"the child waited {waited:.2f} s"
+            finally:
+                p.close()
