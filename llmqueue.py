@@ -1585,6 +1585,14 @@ def encode_granted(key: str, holder: Holder) -> bytes:
             f'{holder.terms.wire_json()},"seq":{holder.seq}}}\n').encode()
 
 
+def encode_released(key: str, session: Optional[str]) -> bytes:
+    """The ``ok`` reply to ``release``: it echoes the queueKey (and the sessionKey) the client
+    sent, as every keyed reply does (additive: the seed's reply was a bare ``ok``)."""
+    if session is None:
+        return f'{{"op":"ok","queueKey":{_json_str(key)}}}\n'.encode()
+    return f'{{"op":"ok","queueKey":{_json_str(key)},"sessionKey":{_json_str(session)}}}\n'.encode()
+
+
 def encode_beat(key: str, session: str, granted: bool, parent_waiting: bool = False) -> bytes:
     """The reply to a keyed ``renew``; ``parentWaiting`` (additive, only when true): a child's
     slot is wanted by a parent."""
@@ -2056,7 +2064,8 @@ class Daemon:
         elif op == "release":
             assert req.queue_key is not None
             self._apply(sched.release(req.queue_key, session, now=now))
-            self._send(c, _OK)  # after the waiter's grant: the handoff goes out first
+            # After the waiter's grant: the handoff goes out first.
+            self._send(c, encode_released(req.queue_key, req.session_key))
         elif op == "renew":
             if req.queue_key is None:
                 sched.renew(c, now=now)

@@ -718,7 +718,7 @@ def test_socket_a_queued_acquire_stays_unanswered_until_release(shared: DaemonPr
     assert a.ask({"op": "acquire", "queueKey": key, "sessionKey": "A"})["op"] == "granted"
     b.send({"op": "acquire", "queueKey": key, "sessionKey": "B", "role": "child", "group": "g"})
     assert b.silent()
-    assert a.ask({"op": "release", "queueKey": key, "sessionKey": "A"}) == {"op": "ok"}
+    assert a.ask({"op": "release", "queueKey": key, "sessionKey": "A"}) == {"op": "ok", "queueKey": key, "sessionKey": "A"}
     assert b.recv()["sessionKey"] == "B"
     assert shared.queue(key)["switches"] == 1
 
@@ -824,7 +824,7 @@ def test_socket_a_missing_session_key_is_the_connections_own_session(shared: Dae
     assert ga["op"] == "granted" and ga["sessionKey"]
     b.send({"op": "acquire", "queueKey": key})
     assert b.silent()  # another connection is another session
-    assert a.ask({"op": "release", "queueKey": key}) == {"op": "ok"}
+    assert a.ask({"op": "release", "queueKey": key}) == {"op": "ok", "queueKey": key}  # echoes what it sent
     gb = b.recv()
     assert gb["op"] == "granted" and gb["sessionKey"] != ga["sessionKey"]
 
@@ -900,7 +900,7 @@ def test_socket_ten_clients_hammering_one_slot_never_overlap(shared: DaemonProc)
                     end = time.monotonic()
                     with lock:
                         intervals.append((start, end, f"s{n}"))
-                    assert p.ask({"op": "release", "queueKey": key, "sessionKey": f"s{n}"}) == {"op": "ok"}
+                    assert p.ask({"op": "release", "queueKey": key, "sessionKey": f"s{n}"}) == {"op": "ok", "queueKey": key, "sessionKey": f"s{n}"}
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 

@@ -86,7 +86,7 @@ def expect_grant(p: Peer, key: str, session: str, timeout: float = RELOAD_S) -> 
 
 
 def release(p: Peer, key: str, session: str) -> None:
-    assert p.ask({"op": "release", "queueKey": key, "sessionKey": session}) == {"op": "ok"}
+    assert p.ask({"op": "release", "queueKey": key, "sessionKey": session}) == {"op": "ok", "queueKey": key, "sessionKey": session}
 
 
 def queue_of(d: DaemonProc, key: str) -> Optional[Dict[str, Any]]:
@@ -1054,7 +1054,7 @@ def test_reload_a_log_file_that_is_a_fifo_never_blocks_the_daemon() -> None:
         with d.peer() as p:
             for i in range(3):
                 assert p.ask({"op": "acquire", "queueKey": U1, "sessionKey": f"s{i}"}, timeout=3)["op"] == "granted"
-                assert p.ask({"op": "release", "queueKey": U1, "sessionKey": f"s{i}"}, timeout=3) == {"op": "ok"}
+                assert p.ask({"op": "release", "queueKey": U1, "sessionKey": f"s{i}"}, timeout=3) == {"op": "ok", "queueKey": U1, "sessionKey": f"s{i}"}
 
 
 def test_reload_an_edit_that_meets_a_transient_read_error_is_retried() -> None:

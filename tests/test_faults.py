@@ -282,7 +282,7 @@ def test_at_the_fd_limit_the_daemon_does_not_spin_keeps_serving_and_accepts_agai
             assert holder.ask(beat(K, "H")) == {"op": "ok", "queueKey": K, "sessionKey": "H", "granted": True}
             assert accepted[0].recv()["op"] == "status"
             assert accepted[0].ask({"op": "renew"}) == {"op": "ok"}
-            assert holder.ask({"op": "release", "queueKey": K, "sessionKey": "H"}) == {"op": "ok"}
+            assert holder.ask({"op": "release", "queueKey": K, "sessionKey": "H"}) == {"op": "ok", "queueKey": K, "sessionKey": "H"}
             assert granted(waiter.recv(), K, "W")
             # free descriptors: every pending connection is accepted and answered
             for p in accepted:
@@ -426,9 +426,9 @@ def hand_over(a: Peer, b: Peer, key: str, first: str, second: str) -> None:
     assert granted(a.ask(acquire_msg(key, first)), key, first)
     b.send(acquire_msg(key, second))
     assert b.silent(0.03)
-    assert a.ask({"op": "release", "queueKey": key, "sessionKey": first}) == {"op": "ok"}
+    assert a.ask({"op": "release", "queueKey": key, "sessionKey": first}) == {"op": "ok", "queueKey": key, "sessionKey": first}
     assert granted(b.recv(), key, second)
-    assert b.ask({"op": "release", "queueKey": key, "sessionKey": second}) == {"op": "ok"}
+    assert b.ask({"op": "release", "queueKey": key, "sessionKey": second}) == {"op": "ok", "queueKey": key, "sessionKey": second}
 
 
 def test_the_log_path_made_unwritable_mid_run_costs_nothing_and_logging_resumes_when_it_is_good_again() -> None:
@@ -551,7 +551,7 @@ def test_sighup_storms_while_clients_acquire_and_release_lose_nothing() -> None:
                         end = time.monotonic()
                         with lock:
                             intervals.append((start, end, session))
-                        assert p.ask({"op": "release", "queueKey": K, "sessionKey": session}) == {"op": "ok"}
+                        assert p.ask({"op": "release", "queueKey": K, "sessionKey": session}) == {"op": "ok", "queueKey": K, "sessionKey": session}
             except BaseException as e:  # pragma: no cover - reported below
                 errors.append(e)
 

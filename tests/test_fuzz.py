@@ -99,7 +99,7 @@ class Bystanders:
         assert self.waiter.silent(0.01), "the waiting bystander got a reply it should not have"
         assert self.d.holders(BYSTANDER_KEY) == [self.held]
         assert self.d.waiting(BYSTANDER_KEY) == [self.waits]
-        assert self.holder.ask({"op": "release", "queueKey": BYSTANDER_KEY, "sessionKey": self.held}) == {"op": "ok"}
+        assert self.holder.ask({"op": "release", "queueKey": BYSTANDER_KEY, "sessionKey": self.held}) == {"op": "ok", "queueKey": BYSTANDER_KEY, "sessionKey": self.held}
         grant = self.waiter.recv()
         assert grant["op"] == "granted" and grant["sessionKey"] == self.waits, grant
         self.holder, self.waiter = self.waiter, self.holder
@@ -372,7 +372,7 @@ def test_every_multibyte_character_split_at_every_byte_boundary_across_writes_is
                 reply = p.recv()
                 assert reply["op"] == "granted" and reply["sessionKey"] == session and reply["queueKey"] == key, \
                     (ch, cuts, reply)
-            assert p.ask({"op": "release", "queueKey": key, "sessionKey": session}) == {"op": "ok"}
+            assert p.ask({"op": "release", "queueKey": key, "sessionKey": session}) == {"op": "ok", "queueKey": key, "sessionKey": session}
         whole = "\u00e9\u4e2d\U0001f600\U0010ffff"
         data = json.dumps(acquire_msg(key, whole, group=whole), ensure_ascii=False).encode() + b"\n"
         for cut in range(1, len(data)):
@@ -383,7 +383,7 @@ def test_every_multibyte_character_split_at_every_byte_boundary_across_writes_is
             reply = p.recv()
             assert reply["op"] == "granted" and reply["sessionKey"] == whole, (cut, reply)
         assert d.queue(key)["holders"] == [{"sessionKey": whole, "role": "parent", "group": whole}]
-        assert p.ask({"op": "release", "queueKey": key, "sessionKey": whole}) == {"op": "ok"}
+        assert p.ask({"op": "release", "queueKey": key, "sessionKey": whole}) == {"op": "ok", "queueKey": key, "sessionKey": whole}
     FUZZ_STATS["split-character-writes"] += writes
     healthy_after(d, by)
 
@@ -852,11 +852,12 @@ class FuzzPeer:
         if kind == 3:
             self.expect.append(("exact", self.own_grant))  # a holder's acquire is granted again, no second slot
             return json.dumps(acquire_msg(self.own_key, self.own)).encode() + b"\n"
-        if kind == 4:  # release / cancel of something not held: ok / nothing
-            self.expect.append(("exact", {"op": "ok"}))
+        if kind == 4:  # release / cancel of something not held: ok (echoing its keys) / nothing
             nothing = "http://127.0.0.1:8001/nothing-held"
             if selector % 20 < 10:
+                self.expect.append(("exact", {"op": "ok", "queueKey": nothing, "sessionKey": self.own}))
                 return json.dumps({"op": "release", "queueKey": nothing, "sessionKey": self.own}).encode() + b"\n"
+            self.expect.append(("exact", {"op": "ok"}))
             return json.dumps({"op": "cancel", "queueKey": nothing, "sessionKey": self.own}).encode() + b"\n" + fence
         if kind == 5:
             self.expect.append(("shared-beat", None))
@@ -869,7 +870,7 @@ class FuzzPeer:
             return json.dumps(acquire_msg(SHARED, self.shared, role=role, group=self.name)).encode() + b"\n" + fence
         if state == "holding" and kind in (6, 7):
             self.expect.append(("effect", ("none", ("holding",))))
-            self.expect.append(("exact", {"op": "ok"}))
+            self.expect.append(("exact", {"op": "ok", "queueKey": SHARED, "sessionKey": self.shared}))
             return json.dumps({"op": "release", "queueKey": SHARED, "sessionKey": self.shared}).encode() + b"\n"
         if kind in (8, 6):  # re-tier (a waiter moves, a holder keeps its tier)
             self.expect.append(("exact", {"op": "ok"}))

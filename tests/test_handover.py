@@ -255,9 +255,9 @@ def test_a_childs_beat_reply_says_a_parent_waits_and_resume_queues_it_ahead_of_o
         c.send({"op": "release", "queueKey": K, "sessionKey": "C"})
         c.send({**acquire("C", "child"), "resume": True})
         assert p.recv(SOON)["op"] == "granted"
-        assert c.recv(SOON) == {"op": "ok"}
+        assert c.recv(SOON) == {"op": "ok", "queueKey": K, "sessionKey": "C"}
         wait_for(lambda: sorted(d.waiting(K)) == ["B", "C"])
-        assert p.ask({"op": "release", "queueKey": K, "sessionKey": "P"}) == {"op": "ok"}
+        assert p.ask({"op": "release", "queueKey": K, "sessionKey": "P"}) == {"op": "ok", "queueKey": K, "sessionKey": "P"}
         assert c.recv(SOON)["op"] == "granted"  # ahead of B, which queued first
         assert b.silent(0.1)
         reply = c.ask({**acquire("X"), "resume": 1})

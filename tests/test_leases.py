@@ -342,7 +342,7 @@ def test_idle_yield_the_yielded_clients_next_keyed_renew_says_granted_false_and_
         assert a.ask(beat(K, "A")) == {"op": "ok", "queueKey": K, "sessionKey": "A", "granted": False}
         queued(d, K, a, "A", activity=True)
         assert a.silent(0.05)
-        assert b.ask({"op": "release", "queueKey": K, "sessionKey": "B"}) == {"op": "ok"}
+        assert b.ask({"op": "release", "queueKey": K, "sessionKey": "B"}) == {"op": "ok", "queueKey": K, "sessionKey": "B"}
         granted_to(a, K, "A", timeout=2.0)
         assert a.ask(beat(K, "A"))["granted"] is True
 
@@ -443,7 +443,7 @@ def test_terms_a_changed_idle_window_applies_at_the_next_grant_only() -> None:
         assert b3.silent(3 * IDLE), "K3's held lease was yielded under the shortened window"
         assert c1.silent(0.001) and c2.silent(0.001), "a next grant was yielded under the old 200 ms window"
         assert d.holders(K) == ["B1"] and d.holders(K2) == ["B2"] and d.holders(k3) == ["A3"]
-        assert a3.ask({"op": "release", "queueKey": k3, "sessionKey": "A3"}) == {"op": "ok"}
+        assert a3.ask({"op": "release", "queueKey": k3, "sessionKey": "A3"}) == {"op": "ok", "queueKey": k3, "sessionKey": "A3"}
         gb3 = b3.recv()
         t_b3 = time.monotonic()
         assert gb3["op"] == "granted" and gb3["idleYieldMs"] == IDLE_MS

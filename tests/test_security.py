@@ -335,9 +335,9 @@ def test_a_log_file_the_daemon_cannot_create_or_write_leaves_it_serving_every_cl
                 for i in range(5):
                     assert granted(a.ask(acquire_msg(K, f"A{i}")), K, f"A{i}")
                     b.send(acquire_msg(K, f"B{i}"))
-                    assert a.ask({"op": "release", "queueKey": K, "sessionKey": f"A{i}"}) == {"op": "ok"}
+                    assert a.ask({"op": "release", "queueKey": K, "sessionKey": f"A{i}"}) == {"op": "ok", "queueKey": K, "sessionKey": f"A{i}"}
                     assert granted(b.recv(), K, f"B{i}")
-                    assert b.ask({"op": "release", "queueKey": K, "sessionKey": f"B{i}"}) == {"op": "ok"}
+                    assert b.ask({"op": "release", "queueKey": K, "sessionKey": f"B{i}"}) == {"op": "ok", "queueKey": K, "sessionKey": f"B{i}"}
                 with Peer(d.socket_path, timeout=3.0) as c:
                     assert c.ask({"op": "status"})["op"] == "status"
             except (socket.timeout, TimeoutError) as e:
