@@ -3804,7 +3804,8 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         q = queues.get(key)
         if q is None:
             q = queues[key] = {"holds": [], "waits": [], "open": {}, "waiting": {}, "switches": [],
-                               "idle": [], "evictions": [], "config": [], "grants": [], "sessions": {}}
+                               "idle": [], "parked": [], "evictions": [], "config": [], "grants": [],
+                               "sessions": {}}
         kind, t = e["event"], e["t"]
         if kind == "config":
             q["config"].append(t)
@@ -3828,6 +3829,8 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             reason = e.get("reason") or kind
             if kind == "release" and reason == "idle":
                 q["idle"].append(t)
+            elif kind == "release" and reason == "parked":
+                q["parked"].append(t)
             if kind == "evict":
                 q["evictions"].append(t)
             held = q["open"].pop(session, None)
@@ -3917,6 +3920,7 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
             "waits": waits,
             "abandonedWaits": sum(1 for w in q["waits"] if not w.granted and w.end < stop and inside(w.end)),
             "idleYields": count(q["idle"]),
+            "parkYields": count(q["parked"]),
             "ttlEvictions": count(q["evictions"]),
             "overCapacityReloads": count(q["config"]),
             "utilisation": round(busy / span, 4),
@@ -3942,7 +3946,7 @@ def format_report(report: dict[str, Any]) -> str:
         out.append("")
         out.append(f"queue {key}")
         out.append(f"  grants {r['grants']}  switches {r['switches']} ({r['switchesPerHour']}/h)  "
-                   f"idle-yields {r['idleYields']}  ttl-evictions {r['ttlEvictions']}  "
+                   f"idle-yields {r['idleYields']}  park-yields {r['parkYields']}  ttl-evictions {r['ttlEvictions']}  "
                    f"over-capacity reloads {r['overCapacityReloads']}")
         out.append(f"  utilisation {r['utilisation'] * 100:.1f}% of the window with a slot held, "
                    f"{r['meanHolders']} holders on average")
@@ -4282,7 +4286,8 @@ def format_status(queues: list[dict[str, Any]]) -> str:
             waits = q.get("longestWaitMs") or {}
             longest = ", ".join(f"{role} {waits.get(role, 0) / 1000:.1f} s" for role in ROLES)
             out.append(f"  grants {q.get('grants', 0)}  queued {q.get('queued', 0)}  "
-                       f"idle-yields {q.get('idleYields', 0)}  ttl-evictions {q.get('ttlEvictions', 0)}  "
+                       f"idle-yields {q.get('idleYields', 0)}  park-yields {q.get('parkYields', 0)}  "
+                       f"ttl-evictions {q.get('ttlEvictions', 0)}  "
                        f"longest wait: {longest}")
         for label, people in (("holds", holders), ("waits", waiting)):
             for p in people:
@@ -4303,6 +4308,7 @@ def format_prometheus(queues: list[dict[str, Any]]) -> str:
         ("llmqueue_switches_total", "counter", "Grants of a waiting session (likely KV-cache re-prefills).", []),
         ("llmqueue_queued_total", "counter", "Acquires that had to wait.", []),
         ("llmqueue_idle_yields_total", "counter", "Slots taken from idle holders for a waiter.", []),
+        ("llmqueue_park_yields_total", "counter", "Slots parked holders handed to a waiter at once.", []),
         ("llmqueue_ttl_evictions_total", "counter", "Slots reclaimed from dead clients (TTL lapsed).", []),
         ("llmqueue_holders", "gauge", "Sessions holding a slot.", []),
         ("llmqueue_max_streams", "gauge", "Slots of the queue (absent for passthrough queues).", []),
@@ -4314,6 +4320,7 @@ def format_prometheus(queues: list[dict[str, Any]]) -> str:
         label = f'queue="{_prom_label(q.get("queueKey"))}"'
         for name, field in (("llmqueue_grants_total", "grants"), ("llmqueue_switches_total", "switches"),
                             ("llmqueue_queued_total", "queued"), ("llmqueue_idle_yields_total", "idleYields"),
+                            ("llmqueue_park_yields_total", "parkYields"),
                             ("llmqueue_ttl_evictions_total", "ttlEvictions")):
             rows[name].append((label, q.get(field, 0)))
         rows["llmqueue_holders"].append((label, len(q.get("holders") or [])))

@@ -85,6 +85,21 @@ def test_the_figures_of_a_hand_made_log() -> None:
     assert r["queues"][Q2]["heldMs"]["parent"] == 15_000  # still held when the log ends
 
 
+def test_a_parked_holders_hand_over_counts_as_a_park_yield_not_an_idle_yield() -> None:
+    r = report(write([
+        line(0, "grant", sessionKey="A", role="parent", seq=1),
+        line(1, "queued", sessionKey="B", role="child"),
+        line(2, "release", sessionKey="A", role="parent", reason="parked"),
+        line(2, "grant", sessionKey="B", role="child", seq=2),
+        line(2, "switch", sessionKey="B", role="child", seq=2),
+        line(9, "release", sessionKey="B", role="child", reason="release"),
+    ]))
+    q = r["queues"][Q]
+    assert (q["parkYields"], q["idleYields"], q["switches"]) == (1, 0, 1)
+    assert q["heldMsBySession"] == {"B": 7_000, "A": 2_000}
+    assert "park-yields 1" in lq.format_report(r)
+
+
 def test_percentiles_are_nearest_rank_per_tier() -> None:
     lines = []
     t = 0.0
