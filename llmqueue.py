@@ -3946,8 +3946,8 @@ def format_report(report: dict[str, Any]) -> str:
         out.append("")
         out.append(f"queue {key}")
         out.append(f"  grants {r['grants']}  switches {r['switches']} ({r['switchesPerHour']}/h)  "
-                   f"idle-yields {r['idleYields']}  park-yields {r['parkYields']}  ttl-evictions {r['ttlEvictions']}  "
-                   f"over-capacity reloads {r['overCapacityReloads']}")
+                   f"idle-yields {r['idleYields']}  park-yields {r['parkYields']}  "
+                   f"ttl-evictions {r['ttlEvictions']}  over-capacity reloads {r['overCapacityReloads']}")
         out.append(f"  utilisation {r['utilisation'] * 100:.1f}% of the window with a slot held, "
                    f"{r['meanHolders']} holders on average")
         out.append("  held: " + "  ".join(f"{role} {_duration(ms)}" for role, ms in r["heldMs"].items()))

@@ -211,6 +211,7 @@ class Reply(NamedTuple):
     prompt_n: Optional[int]  # tokens the server prefilled for this request
     cache_n: Optional[int]  # tokens it reused from a cache
     error: str
+    completion_n: Optional[int] = None  # tokens it generated
 
 
 def v1_base(url: str) -> str:
@@ -280,7 +281,9 @@ def stream_chat(base: str, messages: List[Dict[str, str]], max_tokens: int,
     finally:
         conn.close()
     prompt_n, cache_n = _accounting(timings, usage)
-    return Reply(True, 200, "".join(parts), first, now(), prompt_n, cache_n, "")
+    completion = timings.get("predicted_n", usage.get("completion_tokens"))
+    return Reply(True, 200, "".join(parts), first, now(), prompt_n, cache_n, "",
+                 completion if isinstance(completion, int) else None)
 
 
 def _accounting(timings: Dict[str, Any], usage: Dict[str, Any]) -> Tuple[Optional[int], Optional[int]]:
@@ -420,6 +423,7 @@ class Record(NamedTuple):
     prompt_n: Optional[int]
     cache_n: Optional[int]
     error: str
+    completion_n: Optional[int] = None
 
 
 class Agent:
@@ -458,7 +462,7 @@ class Agent:
         with self.lock:
             self.records.append(Record(self.name, self.session, self.conversation, self.role, asked, reply.first,
                                        reply.end, reply.ok, reply.status, reply.prompt_n, reply.cache_n,
-                                       reply.error))
+                                       reply.error, reply.completion_n))
         self.messages.append({"role": "assistant", "content": reply.text if reply.ok else ""})
         return reply
 
@@ -595,7 +599,8 @@ def pct(xs: Sequence[float], p: float) -> Optional[float]:
 
 def oracle_prefill(records: Sequence[Record]) -> int:
     """What a server that never evicts would prefill: each conversation's first prompt once,
-    plus what each later request adds (from the server's own token counts)."""
+    plus what each later request adds (from the server's own token counts).  The reply the
+    server generated is in its cache already, so it is not counted as added."""
     last: Dict[str, int] = {}
     total = 0
     for r in sorted(records, key=lambda r: r.ask):
@@ -603,7 +608,7 @@ def oracle_prefill(records: Sequence[Record]) -> int:
             continue
         size = r.prompt_n + (r.cache_n or 0)
         total += max(0, size - last.get(r.conversation, 0))
-        last[r.conversation] = size
+        last[r.conversation] = size + (r.completion_n or 0)
     return total
 
 
@@ -1044,7 +1049,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"agents: parent + {wl.children} subagents; system prompt {wl.system_tokens} tokens, replies "
           f"{wl.reply_tokens}, tool outputs {wl.tool_tokens} tokens after {wl.tool_s:g} s; "
-          f"model {'given' if args.model else f'{size.n_embd}x{size.n_layer}'}")
+          "model " + ("the server's own" if args.upstream else args.model if args.model
+                      else f"random llama, {size.n_embd} wide, {size.n_layer} layers"))
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -120,17 +120,17 @@ def test_proxy_with_named_sessions_prefills_at_most_1_3x_the_oracle_and_never_ov
 
 
 def rec(session: str, ask: float, end: float, prompt_n: int = 0, cache_n: int = 0, ok: bool = True,
-        conversation: str = "") -> agents.Record:
+        conversation: str = "", completion_n: int = 0) -> agents.Record:
     return agents.Record(session, session, conversation or session, "child", ask, ask, end, ok, 200 if ok else 500,
-                         prompt_n if ok else None, cache_n if ok else None, "" if ok else "x")
+                         prompt_n if ok else None, cache_n if ok else None, "" if ok else "x", completion_n)
 
 
 def test_the_oracle_is_each_conversations_first_prompt_plus_what_each_later_request_adds() -> None:
     records = [rec("a", 0, 1, prompt_n=100), rec("b", 1, 2, prompt_n=50),
-               rec("a", 2, 3, prompt_n=130, cache_n=0),  # re-prefilled: 130 in all, 30 of them new
-               rec("a", 3, 4, prompt_n=10, cache_n=130),  # 140 in all: 10 new
+               rec("a", 2, 3, prompt_n=130, cache_n=0, completion_n=8),  # re-prefilled: 130 in all, 30 new
+               rec("a", 3, 4, prompt_n=10, cache_n=140),  # 150 in all: 20 new, 8 of them its own reply
                rec("b", 4, 5, ok=False)]  # a failed request adds nothing
-    assert agents.oracle_prefill(records) == 100 + 50 + 30 + 10
+    assert agents.oracle_prefill(records) == 100 + 50 + 30 + 12
 
 
 def test_dead_time_is_a_hold_with_nothing_in_flight_while_someone_waits() -> None:
