@@ -736,6 +736,8 @@ class FuzzPeer:
         self.own = f"{name}.own"
         self.shared = f"{name}.sh"
         self.state = "none"
+        self.role = "parent"  # the tier of its last acquire of the shared queue
+        self.tiers_changed = False  # a role op since: the tier it holds with is not known here
         self.expect: Deque[Tuple[str, Any]] = collections.deque()
         self.buf = b""
         self.cut = False
@@ -781,6 +783,10 @@ class FuzzPeer:
             assert reply.get("op") == "status" and isinstance(reply.get("queues"), list), reply
         elif kind == "shared-beat":
             want = {"op": "ok", "queueKey": SHARED, "sessionKey": self.shared, "granted": self.state == "holding"}
+            if self.state == "holding" and "parentWaiting" in reply:
+                reply = dict(reply)
+                # A child holder's beat says whether a parent waits: only ever true, else absent.
+                assert reply.pop("parentWaiting") is True and (self.role == "child" or self.tiers_changed), reply
             assert reply == want, f"{self.name}: wanted {want}, got {reply}"
         else:  # pragma: no cover
             raise AssertionError(kind)
@@ -867,12 +873,14 @@ class FuzzPeer:
         if state == "none":
             self.expect.append(("effect", ("waiting", ("none",))))
             self.expect.append(("exact", {"op": "ok"}))
+            self.role, self.tiers_changed = role, False
             return json.dumps(acquire_msg(SHARED, self.shared, role=role, group=self.name)).encode() + b"\n" + fence
         if state == "holding" and kind in (6, 7):
             self.expect.append(("effect", ("none", ("holding",))))
             self.expect.append(("exact", {"op": "ok", "queueKey": SHARED, "sessionKey": self.shared}))
             return json.dumps({"op": "release", "queueKey": SHARED, "sessionKey": self.shared}).encode() + b"\n"
         if kind in (8, 6):  # re-tier (a waiter moves, a holder keeps its tier)
+            self.tiers_changed = True
             self.expect.append(("exact", {"op": "ok"}))
             return json.dumps({"op": "role", "sessionKey": self.shared, "role": role}).encode() + b"\n" + fence
         self.expect.append(("effect", ("none", ("waiting", "holding"))))
