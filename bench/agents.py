@@ -917,9 +917,9 @@ def table(rows: List[Dict[str, Any]]) -> str:
             base[(r["pattern"], r["setup"], r["workload"])] = r
     for r in rows:
         b = base.get((r["pattern"], r["setup"], r["workload"]), {})
-        if "error" in r:
-            lines.append([r["pattern"], r["setup"], r["workload"], r["access"], "error: " + r["error"][:60]]
-                         + [""] * (len(head) - 5))
+        if "error" in r:  # in the last column, so it widens no other
+            lines.append([r["pattern"], r["setup"], r["workload"], r["access"]] + [""] * (len(head) - 5)
+                         + ["error: " + r["error"][:80]])
             continue
         interactive = r["pattern"] == "interactive"
         dead = "-" if r["dead_s"] is None else f"{r['dead_s']:.2f} ({100 * r['dead_s'] / r['makespan_s']:.0f}%)"
