@@ -112,8 +112,9 @@ GRACE_MS = 3000  # spec: a client releases this long after its run settles
 # A settled parent keeps its slot this long even while someone waits (a follow-up run of the same
 # agent, woken by a tool or a child's answer, starts switch-free), then parks for the rest of its
 # grace.  A person's next turn comes later than this, and a waiting subagent should not idle
-# through the person's think time.
-PARENT_HANDBACK_MS = 1000
+# through the person's think time: measured on the interactive workload, a 1 s window spent half
+# of a 2 s think time idle, and the background got a quarter of its requests done.
+PARENT_HANDBACK_MS = 250
 
 ROLES = ("parent", "child")  # wire names of the tiers, in grant order
 PARENT, CHILD = 0, 1

@@ -215,7 +215,7 @@ def test_a_settled_parent_keeps_its_slot_for_the_handback_window_then_hands_over
             waited = time.monotonic() - sent
             assert not other.is_alive()
             window = lq.PARENT_HANDBACK_MS / 1000.0
-            assert window - 0.2 <= waited <= window + SOON, f"handed over after {waited:.2f} s"
+            assert window * 0.8 <= waited <= window + SOON, f"handed over after {waited:.2f} s"
         finally:
             client.close()
 
@@ -349,6 +349,6 @@ def test_proxy_a_settled_parent_hands_over_after_its_handback_window_not_its_gra
                 child.join(10)
                 waited = record(sim, "sub-1")["start"] - record(sim, "main-1")["end"]
                 window = lq.PARENT_HANDBACK_MS / 1000
-                assert window - 0.2 <= waited < window + SOON, f"the child waited {waited:.2f} s"
+                assert window * 0.8 <= waited < window + SOON, f"the child waited {waited:.2f} s"
             finally:
                 p.close()

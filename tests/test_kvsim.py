@@ -479,7 +479,7 @@ def test_proxy_a_fault_frees_the_slot_for_the_queued_agent_and_loses_nothing(
     the fault; agent b waits behind it.  An error status, or a cut the proxy can see (chunked
     framing), lets a's slot go at once -- nowhere near the 30 s TTL or a's 5 s grace.  A clean
     close of a close-delimited body looks complete to the proxy: a's session settles as after
-    any response, keeping the slot for a parent's handback window (1 s, inside its 2 s grace),
+    any response, keeping the slot for a parent's handback window (inside its 2 s grace),
     and then b is granted."""
     grace_ms = 5000 if at_once else 2000
     with KVSim(prefill_ms=0.05, decode_ms=0.2, chunked=chunked) as sim:
