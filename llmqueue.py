@@ -2811,18 +2811,13 @@ class Client:
         lease.lost = False
         self._wait_for_grant(lease, timeout)
 
-    def _hand_back(self, lease: Lease, timeout: Optional[float]) -> None:
-        """A child at its request boundary while a parent waits: the slot goes to the parent now
-        (the release), and the child queues again ahead of the other children (the acquire);
-        both go out back to back, so no other child slips in between."""
+    def _give_back(self, lease: Lease) -> None:
+        """A child at a request boundary while a parent waits: the slot goes to the parent now,
+        and the lease's next acquire (at its next request) queues ahead of the other children."""
         lease.lost = True
         lease._parent_waiting = False
+        lease._resume = True  # until the next grant
         self._quietly({"op": "release", "queueKey": lease.queue_key, "sessionKey": lease.session_key})
-        lease._resume = True
-        try:
-            self._reacquire(lease, timeout)
-        finally:
-            lease._resume = False
 
     def _wait_for_grant(self, lease: Lease, timeout: Optional[float]) -> None:
         with self._cv:
@@ -2834,6 +2829,7 @@ class Client:
             # A connection that died before it ever answered was a daemon exiting at the very
             # moment we connected (idle-exit): ask again, which starts a fresh one.
             if not (pending.dead and pending.silent and attempt <= SILENT_RETRIES):
+                lease._resume = False  # answered: a hand-back's priority is used once
                 self._take_grant(lease, pending, cancels)
                 return
 
@@ -3299,9 +3295,20 @@ class Session:
                     and lease.seq is not None and self._served == lease.seq):
                 # A parent waits, and this grant has served us at least once: the slot goes to
                 # the parent now, never mid-stream, and we queue again ahead of the children.
-                self.client._hand_back(lease, timeout)
+                self.client._give_back(lease)
+                lease.ensure(timeout)
         self._served = lease.seq
         return lease
+
+    def _after_request(self) -> None:
+        """A subagent's request ended (nothing of it streams now): one beat asks whether a parent
+        waits, and if one does the slot goes to it here, instead of after the tool call that
+        follows.  The next request queues again, ahead of the other subagents."""
+        lease = self.lease
+        if self.role != "child" or lease is None or not lease.held or lease.seq != self._served:
+            return
+        if lease.beat() and lease._parent_waiting and lease.held:
+            self.client._give_back(lease)
 
     def request(self, timeout: Optional[float] = None) -> _Request:
         return _Request(self, timeout)
@@ -3344,8 +3351,9 @@ class _Request:
     def __enter__(self) -> Lease:
         return self.session._before_request(self.timeout)
 
-    def __exit__(self, *exc: Any) -> None:
-        pass
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.session._after_request()
 
 
 # =================================================================================================

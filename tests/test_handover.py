@@ -352,3 +352,27 @@ def test_proxy_a_settled_parent_hands_over_after_its_handback_window_not_its_gra
                 assert window * 0.8 <= waited < window + SOON, f"the child waited {waited:.2f} s"
             finally:
                 p.close()
+
+
+def test_a_child_whose_request_ends_while_a_parent_waits_gives_the_slot_back_before_its_tool_call() -> None:
+    for d in started():
+        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+        try:
+            child = client.session(K, "sub1", "child")
+            with child.run():
+                with child.request():
+                    parent = grant_after(client, "main", "parent")  # arrives mid-request
+                    wait_for(lambda: d.waiting(K) == ["main"])
+                    time.sleep(0.2)
+                    assert d.holders(K) == ["sub1"]  # never taken mid-request
+                ended = time.monotonic()
+                parent.join(SOON)  # at the request's end, not after the tool call below
+                assert not parent.is_alive() and time.monotonic() - ended < SOON
+                assert d.holders(K) == ["main"]
+                other = grant_after(client, "sub2", "child")
+                wait_for(lambda: sorted(d.waiting(K)) == ["sub2"])
+                threading.Timer(0.3, lambda: parent.lease.release()).start()
+                with child.request(timeout=10) as lease:  # queues again, ahead of sub2
+                    assert lease.held and d.holders(K) == ["sub1"] and other.is_alive()
+        finally:
+            client.close()
