@@ -1005,6 +1005,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"writing a random-weight model ({size.n_embd} wide, {size.n_layer} layers, "
               f"{len(vocabulary()[0]):,} tokens) to {model}", file=sys.stderr)
         write_model(model, size)
+    def interrupted(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # so every server, daemon and proxy of the run is stopped
+
+    signal.signal(signal.SIGTERM, interrupted)
     rows: List[Dict[str, Any]] = []
     rng = random.Random(args.seed)
     started = time.monotonic()
