@@ -17,8 +17,11 @@ through the grace only while nobody waits; a settled parent keeps its slot for
 
 Handing back: a child holder's keyed beat reply says ``parentWaiting: true`` while a parent
 waits; an ``acquire`` with ``resume: true`` queues a child ahead of the other children; a child
-``Session`` hands its slot back at its next request boundary (after at least one request on the
-grant, never mid-request) and is granted again right after the parent, ahead of another child.
+``Session`` hands its slot back at a request boundary -- when its request ends, or at its next
+request (after at least one request on the grant, never mid-request) -- and is granted again
+right after the parent, ahead of another child.  Through the proxy: a subagent session hands back
+to a waiting parent at its next request, and a settled parent session hands over after its
+handback window, not its grace.
 """
 
 from __future__ import annotations
