@@ -26,14 +26,15 @@ handback window, not its grace.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import llmqueue as lq
-from tests.harness import DaemonProc, Peer, started, wait_for
+from tests.harness import DaemonProc, short_tmpdir, started, wait_for
 
 K = "http://127.0.0.1:8001/v1"
 SOON = 1.0  # "at once", on a loaded machine: far below the 30 s idle-yield window
@@ -51,25 +52,19 @@ def beat(session: str) -> Dict[str, Any]:
     return {"op": "renew", "queueKey": K, "sessionKey": session}
 
 
-def log_lines(d: DaemonProc) -> List[Dict[str, Any]]:
-    path = os.path.join(d.agent_dir, "events.log")
+def log_lines(path: str) -> List[Dict[str, Any]]:
     if not os.path.exists(path):
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def logged(d: DaemonProc) -> Dict[str, Any]:
-    return {"defaults": {"logFile": os.path.join(d.agent_dir, "events.log")}}
-
-
 # -- the wire ---------------------------------------------------------------------------------------
 
 
 def test_a_parked_holder_hands_its_slot_to_a_queued_waiter_at_once() -> None:
-    for d in started():
-        d.write_config(logged(d))
-        time.sleep(1.3)  # the config poll picks the log up
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log}}):
         a, b = d.peer(), d.peer()
         assert a.ask(acquire("A"))["op"] == "granted"
         b.send(acquire("B", "child"))
@@ -82,7 +77,8 @@ def test_a_parked_holder_hands_its_slot_to_a_queued_waiter_at_once() -> None:
         q = d.queue(K)
         assert [h["sessionKey"] for h in q["holders"]] == ["B"] and q["parkYields"] == 1 and q["idleYields"] == 0
         assert a.ask(beat("A"))["granted"] is False  # it learns, and queues again
-        releases = [e for e in wait_for(lambda: log_lines(d)) if e["event"] == "release"]
+        # The log line is written after the replies: wait for the line itself.
+        releases = wait_for(lambda: [e for e in log_lines(log) if e["event"] == "release"])
         assert [(e["sessionKey"], e["reason"]) for e in releases] == [("A", "parked")]
 
 
@@ -146,10 +142,19 @@ def grant_after(client: lq.Client, session: str, role: str = "parent") -> Asker:
     return Asker(client, session, role)
 
 
+@contextlib.contextmanager
+def client_of(d: DaemonProc) -> Iterator[lq.Client]:
+    """A Client on the test daemon (never starting one, never failing open), closed afterwards."""
+    client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
 def test_blocking_hands_the_slot_to_a_waiting_session_at_once_and_the_next_request_queues_again() -> None:
     for d in started():  # the default idle-yield window: 30 s
-        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
-        try:
+        with client_of(d) as client:
             parent = client.session(K, "parent", "parent")
             with parent.run():
                 other = grant_after(client, "sub1", "child")
@@ -164,14 +169,11 @@ def test_blocking_hands_the_slot_to_a_waiting_session_at_once_and_the_next_reque
                     releaser.start()
                 with parent.request(timeout=10) as lease:  # queues again, granted when sub1 lets go
                     assert lease.held and d.holders(K) == ["parent"]
-        finally:
-            client.close()
 
 
 def test_a_parked_session_nobody_needs_resumes_switch_free() -> None:
     for d in started():
-        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
-        try:
+        with client_of(d) as client:
             s = client.session(K, "solo", "parent")
             with s.run() as lease:
                 with s.blocking():
@@ -180,14 +182,11 @@ def test_a_parked_session_nobody_needs_resumes_switch_free() -> None:
                 with s.request():
                     assert lease.held and not lease.lost
             assert d.queue(K)["switches"] == 0 and d.queue(K)["grants"] == 1
-        finally:
-            client.close()
 
 
 def test_a_settled_subagent_hands_over_at_once_and_keeps_its_slot_only_while_nobody_waits() -> None:
     for d in started():
-        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
-        try:
+        with client_of(d) as client:
             child = client.session(K, "sub1", "child", grace_ms=3000)
             with child.run():
                 pass
@@ -201,14 +200,11 @@ def test_a_settled_subagent_hands_over_at_once_and_keeps_its_slot_only_while_nob
             other.join(SOON + 1.0)
             assert not other.is_alive() and time.monotonic() - sent < SOON  # not after the 3 s grace
             assert d.holders(K) == ["sub2"]
-        finally:
-            client.close()
 
 
 def test_a_settled_parent_keeps_its_slot_for_the_handback_window_then_hands_over() -> None:
     for d in started():
-        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
-        try:
+        with client_of(d) as client:
             parent = client.session(K, "main", "parent", grace_ms=5000)
             with parent.run():
                 pass
@@ -219,14 +215,11 @@ def test_a_settled_parent_keeps_its_slot_for_the_handback_window_then_hands_over
             assert not other.is_alive()
             window = lq.PARENT_HANDBACK_MS / 1000.0
             assert window * 0.8 <= waited <= window + SOON, f"handed over after {waited:.2f} s"
-        finally:
-            client.close()
 
 
 def test_a_parent_whose_next_run_starts_within_the_window_keeps_its_slot_switch_free() -> None:
     for d in started():
-        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
-        try:
+        with client_of(d) as client:
             parent = client.session(K, "main", "parent")
             with parent.run():
                 pass
@@ -236,8 +229,6 @@ def test_a_parent_whose_next_run_starts_within_the_window_keeps_its_slot_switch_
                 time.sleep(lq.PARENT_HANDBACK_MS / 1000.0 + 0.3)
                 assert d.holders(K) == ["main"] and other.is_alive()
             assert d.queue(K)["grants"] == 1
-        finally:
-            client.close()
 
 
 # -- handing back to a waiting parent --------------------------------------------------------------
@@ -269,8 +260,7 @@ def test_a_childs_beat_reply_says_a_parent_waits_and_resume_queues_it_ahead_of_o
 
 def test_a_child_session_hands_back_at_its_next_request_and_is_next_after_the_parent() -> None:
     for d in started():
-        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
-        try:
+        with client_of(d) as client:
             child = client.session(K, "sub1", "child")
             with child.run():
                 with child.request():
@@ -287,8 +277,6 @@ def test_a_child_session_hands_back_at_its_next_request_and_is_next_after_the_pa
                     assert not parent.is_alive()
                     assert lease.held and d.holders(K) == ["sub1"]  # back, ahead of sub2
                     assert other.is_alive()
-        finally:
-            client.close()
 
 
 # -- the proxy gets the same policy -----------------------------------------------------------------
@@ -359,8 +347,7 @@ def test_proxy_a_settled_parent_hands_over_after_its_handback_window_not_its_gra
 
 def test_a_child_whose_request_ends_while_a_parent_waits_gives_the_slot_back_before_its_tool_call() -> None:
     for d in started():
-        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
-        try:
+        with client_of(d) as client:
             child = client.session(K, "sub1", "child")
             with child.run():
                 with child.request():
@@ -377,5 +364,3 @@ def test_a_child_whose_request_ends_while_a_parent_waits_gives_the_slot_back_bef
                 threading.Timer(0.3, lambda: parent.lease.release()).start()
                 with child.request(timeout=10) as lease:  # queues again, ahead of sub2
                     assert lease.held and d.holders(K) == ["sub1"] and other.is_alive()
-        finally:
-            client.close()
