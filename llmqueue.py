@@ -3005,6 +3005,8 @@ class Client:
                 return False
             self._beats.setdefault(key, []).append(pending)
             generation = self._generation
+            for user in self._leases.get(self._owner(*key), ()):
+                user._parked = False  # an activity beat un-parks the slot: a later pause parks it again
         try:
             self._send({"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key},
                        connect=False, generation=generation)

@@ -755,13 +755,19 @@ class FuzzPeer:
         state = self.state
         for kind, arg in self.expect:
             if kind == "effect":
-                state = arg[0]
+                state = arg[0] or state
         return state
 
     def _apply_effect(self) -> None:
-        _, (new, allowed) = self.expect.popleft()
+        # The model moves when the daemon has acted, in reply order, not when the op is sent: a
+        # beat sent before a release and a re-acquire is answered for the tier held then.
+        _, (new, allowed, tier) = self.expect.popleft()
         assert self.state in allowed, f"{self.name}: model: {new} from {self.state}"
-        self.state = new
+        self.state = new or self.state
+        if tier == "changed":
+            self.tiers_changed = True
+        elif tier is not None:
+            self.role, self.tiers_changed = tier, False
 
     def consume(self, reply: Dict[str, Any]) -> None:
         if reply.get("op") == "granted" and reply.get("queueKey") == SHARED and reply.get("sessionKey") == self.shared:
@@ -871,19 +877,18 @@ class FuzzPeer:
         state = self.projected()
         role = "parent" if selector % 3 else "child"
         if state == "none":
-            self.expect.append(("effect", ("waiting", ("none",))))
+            self.expect.append(("effect", ("waiting", ("none",), role)))
             self.expect.append(("exact", {"op": "ok"}))
-            self.role, self.tiers_changed = role, False
             return json.dumps(acquire_msg(SHARED, self.shared, role=role, group=self.name)).encode() + b"\n" + fence
         if state == "holding" and kind in (6, 7):
-            self.expect.append(("effect", ("none", ("holding",))))
+            self.expect.append(("effect", ("none", ("holding",), None)))
             self.expect.append(("exact", {"op": "ok", "queueKey": SHARED, "sessionKey": self.shared}))
             return json.dumps({"op": "release", "queueKey": SHARED, "sessionKey": self.shared}).encode() + b"\n"
         if kind in (8, 6):  # re-tier (a waiter moves, a holder keeps its tier)
-            self.tiers_changed = True
+            self.expect.append(("effect", (None, ("none", "waiting", "holding"), "changed")))
             self.expect.append(("exact", {"op": "ok"}))
             return json.dumps({"op": "role", "sessionKey": self.shared, "role": role}).encode() + b"\n" + fence
-        self.expect.append(("effect", ("none", ("waiting", "holding"))))
+        self.expect.append(("effect", ("none", ("waiting", "holding"), None)))
         self.expect.append(("exact", {"op": "ok"}))
         return json.dumps({"op": "cancel", "queueKey": SHARED, "sessionKey": self.shared}).encode() + b"\n" + fence
 

@@ -364,3 +364,29 @@ def test_a_child_whose_request_ends_while_a_parent_waits_gives_the_slot_back_bef
                 threading.Timer(0.3, lambda: parent.lease.release()).start()
                 with child.request(timeout=10) as lease:  # queues again, ahead of sub2
                     assert lease.held and d.holders(K) == ["sub1"] and other.is_alive()
+
+
+def test_a_quick_second_run_in_the_grace_still_parks_when_it_settles() -> None:
+    # The second run can start and settle before the client's beat thread wakes at all: the
+    # run's own beat (``ensure``) un-parked the slot on the daemon, so settling must park it again.
+    for d in started():
+        with client_of(d) as client:
+            child = client.session(K, "sub1", "child", grace_ms=5000)
+            with child.run():
+                pass
+            wait_for(lambda: d.queue(K)["holders"] != [])
+            time.sleep(0.3)  # the first settle's parked beat has gone out
+            cv = client._cv
+            wake = cv.notify_all
+            cv.notify_all = lambda: None  # type: ignore[method-assign]  # the beat thread sleeps on
+            try:
+                with child.run():
+                    pass
+            finally:
+                del cv.notify_all  # type: ignore[attr-defined]
+                with cv:
+                    wake()
+            sent = time.monotonic()
+            other = grant_after(client, "sub2", "child")
+            other.join(SOON + 1.0)
+            assert not other.is_alive() and time.monotonic() - sent < SOON  # not after the 5 s grace
