@@ -3395,6 +3395,186 @@ def _split_session_path(path: str) -> tuple[Optional[str], Optional[str], str]:
     return urllib.parse.unquote(parts[2]), role, "/" + rest
 
 
+# -- who is asking ----------------------------------------------------------------------------------
+#
+# Agent CLIs already say who they are, in headers and body fields of their own.  The proxy keys a
+# request's session by the most specific id it finds (a subagent's own id before its tool's
+# session id, that before a cache key, a user, and last a fingerprint of the conversation), so a
+# tool that names nothing still gets one session per conversation.  Per-install and per-device ids
+# (codex's installation_id, Claude Code's device_id) are never read: they would merge every
+# session on the machine.  Pure: headers and body in, an Identity out.
+
+IDENTITY_SOURCES = ("agent", "session", "cache-key", "user", "fingerprint")
+MAX_IDENTITY_BODY = 16 << 20  # a larger body is forwarded untouched; its body fields are not read
+# A subagent's marker: the request is a child's.  Claude Code and codex keep the parent's session
+# id on a subagent's requests, so a marked request is never keyed by a session-level id.
+_SUBAGENT_HEADERS = ("x-claude-code-agent-id", "x-openai-subagent", "x-codex-parent-thread-id",
+                     "x-parent-session-id")
+_SUBAGENT_BODY_MARK = b"cc_is_subagent=true"  # Claude Code: in a subagent's first system block
+# (marker header present, the header holding the subagent's own id)
+_AGENT_ID_HEADERS = (("x-claude-code-agent-id", "x-claude-code-agent-id"),
+                     ("x-openai-subagent", "thread-id"), ("x-codex-parent-thread-id", "thread-id"),
+                     ("x-parent-session-id", "x-session-id"))
+_SESSION_ID_HEADERS = ("x-claude-code-session-id", "x-session-id", "session-id", "session_id",
+                       "x-session-affinity")
+
+
+class Identity(NamedTuple):
+    """What the proxy derived for a request: ``session`` None is anonymous (a session of its own);
+    ``role`` None is the proxy's default tier; ``source`` names the rule that decided."""
+
+    session: Optional[str]
+    role: Optional[str]
+    source: str
+    conversation: Optional[str] = None  # the fingerprint, when the body was read
+
+
+def _text_of(content: Any) -> Any:
+    """A message's content as the fingerprint sees it: a string, or its parts' JSON."""
+    return content if isinstance(content, str) else json.dumps(content, sort_keys=True, default=str)
+
+
+def conversation_fingerprint(body: dict[str, Any]) -> Optional[str]:
+    """A hash of the conversation's stable prefix: the model, the system prompt and the first
+    user message (chat completions' ``messages``, Responses' ``instructions``/``input``, Anthropic
+    Messages' ``system``/``messages``); None when the body holds no conversation."""
+    import hashlib
+
+    system: list[Any] = []
+    first: Any = None
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            if m.get("role") in ("system", "developer") and first is None:
+                system.append(_text_of(m.get("content")))
+            elif m.get("role") == "user":
+                first = _text_of(m.get("content"))
+                break
+        if "system" in body:
+            system.insert(0, _text_of(body["system"]))
+    elif "input" in body:
+        items = body["input"]
+        if "instructions" in body:
+            system.append(_text_of(body["instructions"]))
+        if isinstance(items, str):
+            first = items
+        elif isinstance(items, list):
+            for m in items:
+                if isinstance(m, dict) and m.get("role") in ("system", "developer"):
+                    system.append(_text_of(m.get("content")))
+                elif isinstance(m, dict) and m.get("role", "user") == "user":
+                    first = _text_of(m.get("content"))
+                    break
+    if first is None and not system:
+        return None
+    blob = json.dumps([body.get("model"), system, first], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def _json_body(body: bytes, headers: dict[str, str]) -> Optional[dict[str, Any]]:
+    """The body as a JSON object, or None: compressed, huge, not JSON, not an object."""
+    if headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+        return None
+    if not body or len(body) > MAX_IDENTITY_BODY or body.lstrip()[:1] != b"{":
+        return None
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _user_id_session(body: dict[str, Any]) -> Optional[str]:
+    """Claude Code's ``metadata.user_id`` is a JSON string holding ``session_id`` (and a per-device
+    ``device_id``, never read)."""
+    meta = body.get("metadata")
+    raw = meta.get("user_id") if isinstance(meta, dict) else None
+    if not isinstance(raw, str) or not raw.startswith("{"):
+        return None
+    try:
+        inner = json.loads(raw)
+    except ValueError:
+        return None
+    sid = inner.get("session_id") if isinstance(inner, dict) else None
+    return sid if isinstance(sid, str) and sid else None
+
+
+def _first_system_block(body: dict[str, Any]) -> str:
+    system = body.get("system")
+    if isinstance(system, str):
+        return system
+    if isinstance(system, list) and system:
+        block = system[0]
+        if isinstance(block, dict) and isinstance(block.get("text"), str):
+            return str(block["text"])
+        if isinstance(block, str):
+            return block
+    return ""
+
+
+def proxy_identity(headers: dict[str, str], body: bytes, *, session: Optional[str] = None,
+                   role: Optional[str] = None, sources: Tuple[str, ...] = IDENTITY_SOURCES) -> Identity:
+    """A request's session and tier.  ``headers`` are lower-cased names; ``session`` and ``role``
+    are what the ``/s/SESSION/ROLE`` path or the ``X-LLMQueue-*`` headers said (they win).  The
+    rest, most specific first, each source on only when named in ``sources``:
+
+    - ``agent``: a subagent's own id, when a subagent marker is present: Claude Code's
+      ``x-claude-code-agent-id``, codex's ``thread-id`` (with ``x-openai-subagent`` or
+      ``x-codex-parent-thread-id``), opencode's ``x-session-id`` (with ``x-parent-session-id``);
+    - ``session``: the tool's session id: ``x-claude-code-session-id``, ``x-session-id``,
+      ``session-id``, ``session_id``, ``x-session-affinity``, or the ``session_id`` inside Claude
+      Code's ``metadata.user_id``; never for a marked (subagent) request, which carries its
+      parent's;
+    - ``cache-key``: the body's ``prompt_cache_key``;
+    - ``user``: the body's ``user`` (OpenAI), or a plain ``metadata.user_id`` (Anthropic);
+    - ``fingerprint``: the conversation's stable prefix (``conversation_fingerprint``).
+
+    The tier: the explicit role, else child when a subagent marker is present (a header above, or
+    ``cc_is_subagent=true`` in Claude Code's first system block), else None (the default)."""
+    marked = any(h in headers for h in _SUBAGENT_HEADERS)
+    parsed: Optional[dict[str, Any]] = None
+    need_body = bool({"session", "cache-key", "user", "fingerprint"} & set(sources))
+    if need_body:
+        parsed = _json_body(body, headers)
+    if not marked and parsed is not None and _SUBAGENT_BODY_MARK in body:
+        marked = _SUBAGENT_BODY_MARK.decode() in _first_system_block(parsed)
+    conversation = conversation_fingerprint(parsed) if parsed is not None else None
+    tier = role if role is not None else ("child" if marked else None)
+
+    def found(key: str, source: str) -> Identity:
+        return Identity(key, tier, source, conversation)
+
+    if session:
+        return found(session, "explicit")
+    if marked and "agent" in sources:
+        for mark, id_header in _AGENT_ID_HEADERS:
+            if mark in headers and headers.get(id_header):
+                return found("agent:" + headers[id_header], "agent")
+    if not marked and "session" in sources:
+        for name in _SESSION_ID_HEADERS:
+            if headers.get(name):
+                return found("session:" + headers[name], "session")
+        sid = _user_id_session(parsed) if parsed is not None else None
+        if sid:
+            return found("session:" + sid, "session")
+    if parsed is not None and not marked:  # a subagent with no id of its own: its fingerprint
+        key = parsed.get("prompt_cache_key")
+        if "cache-key" in sources and isinstance(key, str) and key:
+            return found("cache:" + key, "cache-key")
+        user = parsed.get("user")
+        meta = parsed.get("metadata")
+        if isinstance(meta, dict) and not isinstance(user, str) and isinstance(meta.get("user_id"), str):
+            if not str(meta["user_id"]).startswith("{"):
+                user = meta["user_id"]
+        if "user" in sources and isinstance(user, str) and user:
+            return found("user:" + user, "user")
+    if "fingerprint" in sources and conversation is not None:
+        return found("conv:" + conversation, "fingerprint")
+    return Identity(None, tier, "none", conversation)
+
+
 def _is_loopback(host: str) -> bool:
     import ipaddress
 
@@ -3425,7 +3605,8 @@ class Proxy:
 
     def __init__(self, upstream: str, *, client: Client, listen: tuple[str, int] = ("127.0.0.1", DEFAULT_PROXY_PORT),
                  queue_key: Optional[str] = None, role: str = "parent", grace_ms: int = GRACE_MS,
-                 allow_remote: bool = False, log: Optional[Callable[[str], None]] = None) -> None:
+                 allow_remote: bool = False, log: Optional[Callable[[str], None]] = None,
+                 identity: Tuple[str, ...] = IDENTITY_SOURCES) -> None:
         import urllib.parse
         from http.server import ThreadingHTTPServer
 
@@ -3437,6 +3618,13 @@ class Proxy:
                              "(pass --allow-remote to expose the proxy)")
         if role not in ROLES:
             raise ValueError(f"role must be parent or child (got {role!r})")
+        unknown = [s for s in identity if s not in IDENTITY_SOURCES]
+        if unknown:
+            raise ValueError(f"unknown identity source {unknown[0]!r} (known: {', '.join(IDENTITY_SOURCES)})")
+        self.identity = tuple(identity)
+        # conversation fingerprint -> the session it was first seen in: a later request of that
+        # conversation that names less continues it (bounded: the oldest are forgotten)
+        self._conversations: OrderedDict[str, str] = OrderedDict()
         self.upstream = upstream
         self._target = parsed
         self.queue_key = queue_key or upstream
@@ -3470,6 +3658,27 @@ class Proxy:
             ps.session.close()
 
     # -- sessions -----------------------------------------------------------------------------
+
+    def identify(self, headers: dict[str, str], body: bytes, session: Optional[str] = None,
+                 role: Optional[str] = None) -> Identity:
+        """The request's identity (``proxy_identity`` under this proxy's sources), continuing the
+        session its conversation was seen in when it names less than it did."""
+        ident = proxy_identity(headers, body, session=session, role=role, sources=self.identity)
+        conv = ident.conversation
+        if conv is None:
+            return ident
+        with self._lock:
+            if ident.source in ("fingerprint", "none"):
+                seen = self._conversations.get(conv)
+                if seen is not None:
+                    self._conversations.move_to_end(conv)
+                    return ident._replace(session=seen, source="conversation")
+            elif ident.session is not None:
+                self._conversations[conv] = ident.session
+                self._conversations.move_to_end(conv)
+                while len(self._conversations) > 4096:
+                    self._conversations.popitem(last=False)
+        return ident
 
     def begin(self, session_key: Optional[str], role: str,
               client_sock: Optional[socket.socket] = None) -> _ProxySession:
@@ -3586,8 +3795,8 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
         def _forward(self) -> None:
             session, role, path = _split_session_path(self.path)
             session = self.headers.get(SESSION_HEADER) or session
-            role = self.headers.get(ROLE_HEADER) or role or proxy.role
-            if role not in ROLES:
+            role = self.headers.get(ROLE_HEADER) or role
+            if role is not None and role not in ROLES:
                 self._error(400, "llmqueue_bad_role", f"role must be parent or child (got {role!r})")
                 return
             try:
@@ -3596,8 +3805,12 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 self._error(400, "llmqueue_bad_request", "unreadable request body")
                 self.close_connection = True
                 return
+            ident = proxy.identify({k.lower(): v for k, v in self.headers.items()}, body, session, role)
+            role = ident.role or proxy.role
+            proxy.log(f"{self.command} {path}: session {ident.session or '(its own)'} as {role}, "
+                      f"from {ident.source}")
             try:
-                ps = proxy.begin(session, role, self.connection)
+                ps = proxy.begin(ident.session, role, self.connection)
             except DaemonUnavailable as e:
                 self._error(503, "llmqueue_unavailable", f"the llmqueue daemon is unavailable: {e}")
                 return
@@ -4522,6 +4735,19 @@ def _listen_arg(text: str) -> tuple[str, int]:
     return (host.strip("[]") or "127.0.0.1"), number
 
 
+def _identity_arg(text: str) -> Tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    if names == ("none",):
+        return ()
+    for name in names:
+        if name not in IDENTITY_SOURCES:
+            import argparse
+
+            raise argparse.ArgumentTypeError(
+                f"unknown source {name!r} (known: {', '.join(IDENTITY_SOURCES)}, or none)")
+    return names
+
+
 def _cmd_proxy(argv: list[str]) -> int:
     parser = _paths_parser("llmqueue proxy",
                            "Queue any OpenAI-compatible client: a loopback reverse proxy that holds a slot "
@@ -4531,7 +4757,10 @@ def _cmd_proxy(argv: list[str]) -> int:
                         help=f"HOST:PORT to listen on (default: 127.0.0.1:{DEFAULT_PROXY_PORT})")
     parser.add_argument("--queue", help="the queueKey (default: the upstream URL)")
     parser.add_argument("--role", choices=ROLES, default="parent",
-                        help="the tier of requests that name none (default: parent)")
+                        help="the tier of requests with no role and no subagent marker (default: parent)")
+    parser.add_argument("--identity", type=_identity_arg, default=IDENTITY_SOURCES, metavar="SOURCES",
+                        help="where a request's session comes from, when its path and headers name none: a "
+                             f"comma list of {','.join(IDENTITY_SOURCES)} (the default: all), or none")
     parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --listen address")
     parser.add_argument("--fail-closed", action="store_true",
                         help="answer 503 instead of forwarding unqueued when no daemon can be had")
@@ -4545,7 +4774,8 @@ def _cmd_proxy(argv: list[str]) -> int:
                     fail_open=False if args.fail_closed else None, on_warning=say)
     try:
         proxy = Proxy(args.upstream, client=client, listen=args.listen, queue_key=args.queue, role=args.role,
-                      allow_remote=args.allow_remote, log=say if args.verbose else None)
+                      allow_remote=args.allow_remote, log=say if args.verbose else None,
+                      identity=args.identity)
     except (ValueError, OSError) as e:
         say(f"llmqueue proxy: {e}")
         client.close()

@@ -1,8 +1,11 @@
 """A stub OpenAI-compatible model server for the suites: a slow streaming
 ``/v1/chat/completions`` on 127.0.0.1 (random port) that records every request.  Not a suite.
+``/v1/responses`` and ``/v1/messages`` stream in their own formats (Responses events, Anthropic
+Messages events); every stream ends with the usage in ``USAGE``.
 
-- ``user`` in the request body names the caller in the records; a ``slow-*`` user keeps streaming
-  until ``let_slow_finish()``;
+- ``user`` in the request body (or an ``X-Who`` header) names the caller in the records; a
+  ``slow-*`` user keeps streaming until ``let_slow_finish()``; a body that is not JSON is kept
+  as ``raw``;
 - ``user: "fail-500"`` answers 500 with a JSON error body;
 - each record holds who, method, path (with query), the headers, and start/end (monotonic), and
   ``broken`` when the client went away mid-stream.
@@ -15,6 +18,66 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
+
+
+USAGE = {"prompt": 40, "cached": 30}  # what every stub response says it prefilled and reused
+
+
+def _sse(event: Optional[str], data: dict[str, Any]) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data)}\n\n".encode()
+
+
+def _opening(kind: str) -> bytes:
+    if kind == "responses":
+        return _sse("response.created", {"type": "response.created", "sequence_number": 0, "response": {
+            "id": "resp_stub", "object": "response", "created_at": 0, "model": "stub", "status": "in_progress",
+            "output": [], "parallel_tool_calls": False, "tool_choice": "auto", "tools": []}})
+    if kind == "messages":
+        return (_sse("message_start", {"type": "message_start", "message": {
+            "id": "msg_stub", "type": "message", "role": "assistant", "model": "stub", "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": USAGE["prompt"] - USAGE["cached"], "output_tokens": 0,
+                      "cache_read_input_tokens": USAGE["cached"], "cache_creation_input_tokens": 0}}})
+            + _sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                           "content_block": {"type": "text", "text": ""}}))
+    return b""
+
+
+def _delta(kind: str, text: str) -> bytes:
+    if kind == "responses":
+        return _sse("response.output_text.delta", {"type": "response.output_text.delta", "sequence_number": 1,
+                                                   "item_id": "msg_1", "output_index": 0, "content_index": 0,
+                                                   "delta": text, "logprobs": []})
+    if kind == "messages":
+        return _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                            "delta": {"type": "text_delta", "text": text}})
+    chunk = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 0, "model": "stub",
+             "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return _sse(None, chunk)
+
+
+def _closing(kind: str, n: int) -> bytes:
+    prompt, cached = USAGE["prompt"], USAGE["cached"]
+    if kind == "responses":
+        return _sse("response.completed", {"type": "response.completed", "sequence_number": 2, "response": {
+            "id": "resp_stub", "object": "response", "created_at": 0, "model": "stub", "status": "completed",
+            "output": [], "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
+            "usage": {"input_tokens": prompt, "output_tokens": n, "total_tokens": prompt + n,
+                      "input_tokens_details": {"cached_tokens": cached},
+                      "output_tokens_details": {"reasoning_tokens": 0}}}})
+    if kind == "messages":
+        return (_sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+                + _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn",
+                                                                             "stop_sequence": None},
+                                         "usage": {"output_tokens": n}})
+                + _sse("message_stop", {"type": "message_stop"}))
+    final = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 0, "model": "stub",
+             "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+             "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+                       "prompt_tokens_details": {"cached_tokens": cached}},
+             "timings": {"prompt_n": prompt - cached, "cache_n": cached, "predicted_n": n}}
+    return _sse(None, final) + b"data: [DONE]\n\n"
 
 
 class StubEndpoint:
@@ -42,9 +105,13 @@ class StubEndpoint:
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                body = json.loads(raw or b"{}")
-                rec = stub._record(body.get("user", "?"), self)
+                try:
+                    body = json.loads(raw or b"{}")
+                except ValueError:
+                    body = {}
+                rec = stub._record(self.headers.get("X-Who") or body.get("user", "?"), self)
                 rec["body"] = body
+                rec["raw"] = raw
                 if rec["who"] == "fail-500":
                     payload = json.dumps({"error": {"message": "stub says no"}}).encode()
                     self.send_response(500)
@@ -59,18 +126,18 @@ class StubEndpoint:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Connection", "close")
                 self.end_headers()
+                kind = ("responses" if self.path.split("?")[0].endswith("/responses")
+                        else "messages" if self.path.split("?")[0].endswith("/messages") else "chat")
                 try:
+                    self.wfile.write(_opening(kind))
                     i = 0
                     while i < chunks or (slow and not stub.slow_done.is_set() and i < 2000):
-                        chunk = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 0,
-                                 "model": "stub",
-                                 "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]}
+                        self.wfile.write(_delta(kind, f"tok{i} "))
                         i += 1
-                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                         self.wfile.flush()
                         rec["chunks"] = i
                         time.sleep(gap)
-                    self.wfile.write(b"data: [DONE]\n\n")
+                    self.wfile.write(_closing(kind, i))
                     self.wfile.flush()
                 except OSError:
                     rec["broken"] = True

@@ -420,9 +420,9 @@ def daemon() -> Iterator[DaemonProc]:
 
 
 class RunningProxy:
-    def __init__(self, upstream: str, agent_dir: str, grace_ms: int) -> None:
+    def __init__(self, upstream: str, agent_dir: str, grace_ms: int, **kwargs: Any) -> None:
         self.client = lq.Client(agent_dir, autostart=False)
-        self.proxy = lq.Proxy(upstream, client=self.client, listen=("127.0.0.1", 0), grace_ms=grace_ms)
+        self.proxy = lq.Proxy(upstream, client=self.client, listen=("127.0.0.1", 0), grace_ms=grace_ms, **kwargs)
         self.thread = threading.Thread(target=self.proxy.serve_forever, args=(0.02,), daemon=True)
         self.thread.start()
         self.port: int = self.proxy.server.server_address[1]
@@ -484,7 +484,8 @@ def test_proxy_a_fault_frees_the_slot_for_the_queued_agent_and_loses_nothing(
     grace_ms = 5000 if at_once else 2000
     with KVSim(prefill_ms=0.05, decode_ms=0.2, chunked=chunked) as sim:
         key = sim.base  # the proxy's queue key: its upstream
-        p = RunningProxy(sim.base, daemon.agent_dir, grace_ms)
+        # identity=(): b and c name no session by any source, so each is a session of its own
+        p = RunningProxy(sim.base, daemon.agent_dir, grace_ms, identity=())
         try:
             holder = gate(daemon, key)
             results: Dict[str, Reply] = {}

@@ -171,7 +171,8 @@ def test_a_sessions_second_request_within_the_grace_is_switch_free(stub: StubEnd
 
 def test_a_request_naming_no_session_is_a_session_of_its_own_released_at_once(
         stub: StubEndpoint, daemon: DaemonProc) -> None:
-    for p in open_proxy(stub.base, daemon.agent_dir, grace_ms=10_000):
+    # identity=(): nothing but the path and headers names a session (test_identity.py has the rest)
+    for p in open_proxy(stub.base, daemon.agent_dir, grace_ms=10_000, identity=()):
         assert chat_all(p.port, "anon")[0] == 200
         wait_for(lambda: daemon.holders(stub.base) == [], timeout=1)
         assert chat_all(p.port, "anon2")[0] == 200
