@@ -839,7 +839,19 @@ class OverCapacity(NamedTuple):
     max_streams: int
 
 
-Event = Union[Granted, Queued, Dequeued, Released, Evicted, Moved, OverCapacity]
+class Usage(NamedTuple):
+    """A request's prompt tokens as its model server counted them (the additive ``usage`` op):
+    ``prefilled`` computed afresh, ``reused`` served from the server's cache.  ``seq`` is the
+    grant the session held the queue's slot under when it reported (None: it held none)."""
+
+    queue_key: str
+    session: str
+    prefilled: int
+    reused: int
+    seq: Optional[int]
+
+
+Event = Union[Granted, Queued, Dequeued, Released, Evicted, Moved, OverCapacity, Usage]
 
 
 class _Queue:
@@ -944,6 +956,9 @@ class Scheduler:
         # A waiter whose connection already closed is never granted (the caller knows sockets).
         self.alive: Callable[[Any], bool] = alive or (lambda conn: True)
         self._queues: dict[str, _Queue] = {}
+        # queue key -> [prefilled, reused, reports]: the running token totals (usage op), kept
+        # apart from the queues, which are forgotten when empty; the oldest keys go past 4096
+        self._tokens: OrderedDict[str, list[int]] = OrderedDict()
         self._forgettable: OrderedDict[str, None] = OrderedDict()  # empty, unconfigured queues
         self._seq = 0  # waiter enqueue order, scheduler-wide
         # Grant numbers, scheduler-wide: so per queue they only grow, even for a queue that was
@@ -1055,6 +1070,21 @@ class Scheduler:
         for holder in leases:
             self._refresh(holder, now, activity=False)
         return len(leases)
+
+    def usage(self, key: str, session: str, prefilled: int, reused: int) -> Usage:
+        """A request's token counts (the additive ``usage`` op): added to the queue's running
+        totals (``status``), and logged tied to the grant the session holds there, if any."""
+        resolved = self.addressing.address_endpoint(key)[0]
+        q = self._queues.get(resolved)
+        holder = q.holder_for(key, session) if q else None
+        totals = self._tokens.pop(resolved, None) or [0, 0, 0]
+        totals[0] += prefilled
+        totals[1] += reused
+        totals[2] += 1
+        self._tokens[resolved] = totals
+        while len(self._tokens) > 4096:
+            self._tokens.popitem(last=False)
+        return Usage(resolved, session, prefilled, reused, holder.seq if holder else None)
 
     def parent_waits(self, key: str, session: str) -> bool:
         """Whether the session holds a child's slot there while a parent waits: a hint, in its
@@ -1272,6 +1302,9 @@ class Scheduler:
                 "parkYields": q.park_yields,
                 "ttlEvictions": q.evictions,
             }
+            tokens = self._tokens.get(q.key)
+            if tokens is not None:  # additive: only once a usage op reported for the queue
+                head["tokens"] = {"prefilled": tokens[0], "reused": tokens[1], "requests": tokens[2]}
             if now is not None:
                 oldest = [q.head(tier) for tier in (PARENT, CHILD)]
                 head["longestWaitMs"] = {
@@ -1475,8 +1508,9 @@ class Scheduler:
 # field of the wrong type.  Unknown extra fields are ignored (forward compatibility).
 # =================================================================================================
 
-OPS = ("acquire", "release", "cancel", "role", "renew", "status", "bye")
-_KEYED_OPS = ("acquire", "release", "cancel")  # spec: a keyless one would hold an unnamed slot
+OPS = ("acquire", "release", "cancel", "role", "renew", "status", "bye", "usage")
+_KEYED_OPS = ("acquire", "release", "cancel", "usage")  # spec: a keyless one would hold an unnamed slot
+MAX_TOKENS = 1 << 53  # a usage count past this is no count
 # Ops that make a connection count for idle-exit: they touch queue state.  status never does.
 _COUNTED_OPS = ("acquire", "renew", "role", "cancel")
 
@@ -1492,6 +1526,8 @@ class Request(NamedTuple):
     activity: bool = False
     parked: bool = False  # additive, on a keyed renew: the holder waits on another agent
     resume: bool = False  # additive, on acquire: a child handing back to a parent queues again first
+    prefilled: Optional[int] = None  # additive, the usage op: prompt tokens the server computed
+    reused: Optional[int] = None  # ... and those it served from its cache
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -1569,7 +1605,17 @@ def _parse_request(line: Union[bytes, str]) -> Request:
         raise ProtocolError("role requires role (parent or child)")
     if op == "renew" and queue_key is None and session_key is not None:
         raise ProtocolError("a keyed renew requires queueKey")
-    return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume))
+    counts: list[Optional[int]] = []
+    for name in ("prefilled", "reused"):
+        value = msg.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not 0 <= value <= MAX_TOKENS):
+            raise ProtocolError(f"{name} must be a token count, a non-negative integer (got {_show(value)})")
+        counts.append(value)
+    if op == "usage" and counts == [None, None]:
+        raise ProtocolError("usage requires prefilled or reused")
+    return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume),
+                   counts[0], counts[1])
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -1619,6 +1665,12 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
         who = event.who
         return [{"event": "move", "queueKey": event.queue_key, "from": event.source, "sessionKey": who.session,
                  "role": ROLES[who.role], "what": "holder" if isinstance(who, Holder) else "waiter"}]
+    if isinstance(event, Usage):
+        line: dict[str, Any] = {"event": "usage", "queueKey": event.queue_key, "sessionKey": event.session,
+                                "prefilled": event.prefilled, "reused": event.reused}
+        if event.seq is not None:
+            line["seq"] = event.seq
+        return [line]
     holder = event.holder
     base = {"queueKey": event.queue_key, "sessionKey": holder.session, "role": ROLES[holder.role]}
     if isinstance(event, Granted):
@@ -2085,6 +2137,10 @@ class Daemon:
         elif op == "role":
             assert req.role is not None
             self._apply(sched.set_role(session, req.role, now=now))
+        elif op == "usage":
+            assert req.queue_key is not None
+            self._apply([sched.usage(req.queue_key, session, req.prefilled or 0, req.reused or 0)])
+            self._send(c, encode_released(req.queue_key, req.session_key))
         elif op == "status":
             self._send(c, b'{"op":"status","queues":' + sched.status_json(now).encode() + b"}\n")
         elif op == "bye":  # spec (#63): disconnected now, though the socket stays open
@@ -3016,6 +3072,15 @@ class Client:
             return lease.held
         return pending.reply.get("granted") is True
 
+    def usage(self, queue_key: str, session_key: str, prefilled: int, reused: int = 0) -> None:
+        """Report one request's prompt tokens as the model server counted them: ``prefilled``
+        computed afresh, ``reused`` served from its cache (llama.cpp's ``timings.prompt_n`` and
+        ``cache_n``; OpenAI's ``prompt_tokens`` less ``cached_tokens``, and ``cached_tokens``).
+        They go to the event log (``llmqueue report``) and the queue's totals in ``status``.
+        Never blocks, never raises for a daemon that is gone."""
+        self._quietly({"op": "usage", "queueKey": queue_key, "sessionKey": session_key,
+                       "prefilled": int(prefilled), "reused": int(reused)})
+
     def status(self, timeout: float = 5.0) -> list[dict[str, Any]]:
         """The daemon's ``status`` queues (starting the daemon if need be)."""
         pending = _Pending()
@@ -3575,6 +3640,97 @@ def proxy_identity(headers: dict[str, str], body: bytes, *, session: Optional[st
     return Identity(None, tier, "none", conversation)
 
 
+# -- what the server says it prefilled -------------------------------------------------------------
+
+
+def _count(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def token_counts(timings: Optional[dict[str, Any]], usage: dict[str, Any]) -> Optional[tuple[int, int]]:
+    """(prefilled, reused) prompt tokens from a response's own accounting, or None: llama.cpp's
+    ``timings`` (``prompt_n``, ``cache_n``) first, else the ``usage`` of OpenAI chat completions
+    (``prompt_tokens`` and ``prompt_tokens_details.cached_tokens``), of Anthropic Messages
+    (``input_tokens`` + ``cache_creation_input_tokens``, and ``cache_read_input_tokens``), or of
+    Responses (``input_tokens`` and ``input_tokens_details.cached_tokens``)."""
+    if timings is not None and _count(timings.get("prompt_n")) is not None:
+        return int(timings["prompt_n"]), _count(timings.get("cache_n")) or 0
+    prompt = _count(usage.get("prompt_tokens"))
+    if prompt is not None:
+        details = usage.get("prompt_tokens_details")
+        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        return max(0, prompt - (cached or 0)), cached or 0
+    read, created = _count(usage.get("cache_read_input_tokens")), _count(usage.get("cache_creation_input_tokens"))
+    fresh = _count(usage.get("input_tokens"))
+    if read is not None or created is not None:
+        return (fresh or 0) + (created or 0), read or 0
+    if fresh is not None:
+        details = usage.get("input_tokens_details")
+        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        return max(0, fresh - (cached or 0)), cached or 0
+    return None
+
+
+class UsageScanner:
+    """A response's token accounting, read as the response streams past (it is never held): of
+    an event stream, only the ``data:`` lines that name ``usage`` or ``timings`` are parsed; a
+    JSON body is kept up to 4 MiB and parsed at the end."""
+
+    MAX_LINE = 1 << 20
+    MAX_JSON = 4 << 20
+
+    def __init__(self, content_type: str) -> None:
+        kind = content_type.lower()
+        self.sse = "text/event-stream" in kind
+        self.json = not self.sse and "json" in kind
+        self._partial = b""
+        self._body = bytearray()
+        self.timings: Optional[dict[str, Any]] = None
+        self.usage: dict[str, Any] = {}
+
+    def feed(self, data: bytes) -> None:
+        if self.sse:
+            lines = (self._partial + data).split(b"\n")
+            self._partial = lines.pop()
+            if len(self._partial) > self.MAX_LINE:
+                self._partial = b""  # no accounting line is that long: drop it, keep reading
+            for line in lines:
+                self._line(line)
+        elif self.json:
+            if len(self._body) + len(data) > self.MAX_JSON:
+                self.json, self._body = False, bytearray()
+            else:
+                self._body += data
+
+    def _line(self, line: bytes) -> None:
+        if line.startswith(b"data:") and (b'"usage"' in line or b'"timings"' in line):
+            self._take(line[5:])
+
+    def _take(self, raw: bytes) -> None:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(obj, dict):
+            return
+        if isinstance(obj.get("timings"), dict):
+            self.timings = obj["timings"]
+        for holder in (obj, obj.get("response"), obj.get("message")):  # chat, Responses, Anthropic
+            usage = holder.get("usage") if isinstance(holder, dict) else None
+            if isinstance(usage, dict):
+                self.usage.update({k: v for k, v in usage.items() if v is not None})
+
+    def result(self) -> Optional[tuple[int, int]]:
+        """(prefilled, reused), or None when the response said nothing of them."""
+        if self.sse and self._partial:
+            self._line(self._partial.rstrip(b"\r"))
+            self._partial = b""
+        if self.json and self._body:
+            self._take(bytes(self._body))
+            self._body = bytearray()
+        return token_counts(self.timings, self.usage)
+
+
 def _is_loopback(host: str) -> bool:
     import ipaddress
 
@@ -3819,8 +3975,12 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 return
             key = ps.session.session_key
             ok = False
+            self._scanner: Optional[UsageScanner] = None
             try:
                 ok = self._relay(path, body)
+                counts = self._scanner.result() if self._scanner is not None else None
+                if counts is not None:  # before the slot can go: the log ties it to this grant
+                    proxy.client.usage(proxy.queue_key, key, *counts)
             finally:
                 proxy.end(key, ok=ok)
 
@@ -3876,6 +4036,7 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
             self.wfile.flush()
             if no_body:
                 return True
+            scanner = self._scanner = UsageScanner(response.getheader("Content-Type") or "")
             while True:
                 try:
                     data = response.read1(65536)
@@ -3889,6 +4050,7 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 else:
                     self.wfile.write(data)
                 self.wfile.flush()
+                scanner.feed(data)  # after the client has it: the scan never delays a token
             if chunked:
                 self.wfile.write(b"0\r\n\r\n")
             return True
@@ -4029,7 +4191,7 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if q is None:
             q = queues[key] = {"holds": [], "waits": [], "open": {}, "waiting": {}, "switches": [],
                                "idle": [], "parked": [], "evictions": [], "config": [], "grants": [],
-                               "sessions": {}}
+                               "sessions": {}, "usage": [], "switch_seqs": set()}
         kind, t = e["event"], e["t"]
         if kind == "config":
             q["config"].append(t)
@@ -4048,6 +4210,12 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             continue
         if kind == "switch":
             q["switches"].append((t, session))
+            q["switch_seqs"].add(e.get("seq"))
+            continue
+        if kind == "usage":
+            prefilled, reused = e.get("prefilled"), e.get("reused")
+            if _count(prefilled) is not None and _count(reused) is not None:
+                q["usage"].append((t, session, prefilled, reused, e.get("seq")))
             continue
         if kind == "release" or kind == "evict":
             reason = e.get("reason") or kind
@@ -4134,6 +4302,7 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
             waits[role] = {"count": len(done), "p50Ms": round(_percentile(done, 50)),
                            "p95Ms": round(_percentile(done, 95)), "maxMs": round(max(done, default=0.0))}
         switches = count([t for t, _ in q["switches"]])
+        tokens = _token_figures([u for u in q["usage"] if inside(u[0])], q["switch_seqs"])
         out["queues"][key] = {
             "grants": count(q["grants"]),
             "switches": switches,
@@ -4150,7 +4319,37 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
             "utilisation": round(busy / span, 4),
             "meanHolders": round(sum(held_tier.values()) / span, 3),
         }
+        if tokens is not None:
+            out["queues"][key]["tokens"] = tokens
     return out
+
+
+def _token_figures(usage: list[tuple[float, str, int, int, Any]], switch_seqs: set[Any]) -> Optional[dict[str, Any]]:
+    """Prefilled and reused prompt tokens (from ``usage`` events): in all, per session, and for
+    the first request after each switch, whose prefill is the switch's price.  ``saved`` is what
+    the server did not prefill again, against requests that would have prefilled everything."""
+    if not usage:
+        return None
+    by_session: dict[str, dict[str, int]] = {}
+    seen: set[Any] = set()
+    after = [0, 0]
+    for _, session, prefilled, reused, seq in usage:
+        s = by_session.setdefault(session, {"requests": 0, "prefilled": 0, "reused": 0})
+        s["requests"] += 1
+        s["prefilled"] += prefilled
+        s["reused"] += reused
+        if seq is not None and seq not in seen:
+            seen.add(seq)
+            if seq in switch_seqs:
+                after[0] += 1
+                after[1] += prefilled
+    prefilled = sum(s["prefilled"] for s in by_session.values())
+    reused = sum(s["reused"] for s in by_session.values())
+    return {"requests": len(usage), "prefilled": prefilled, "reused": reused, "saved": reused,
+            "reusedShare": round(reused / (prefilled + reused), 4) if prefilled + reused else 0.0,
+            "afterSwitch": {"requests": after[0], "prefilled": after[1],
+                            "meanPrefilled": round(after[1] / after[0]) if after[0] else 0},
+            "bySession": dict(sorted(by_session.items(), key=lambda kv: -kv[1]["prefilled"]))}
 
 
 def _duration(ms: float) -> str:
@@ -4184,6 +4383,18 @@ def format_report(report: dict[str, Any]) -> str:
         shown = ", ".join(f"{s} {_duration(ms)}" for s, ms in top[:8])
         more = f", and {len(top) - 8} more" if len(top) > 8 else ""
         out.append(f"  held by session: {shown}{more}")
+        tokens = r.get("tokens")
+        if tokens:
+            out.append(f"  tokens: {tokens['requests']} requests prefilled {tokens['prefilled']:,} and reused "
+                       f"{tokens['reused']:,} ({tokens['reusedShare'] * 100:.0f}% of prompt tokens); saved "
+                       f"{tokens['saved']:,} against prefilling every prompt afresh")
+            after = tokens["afterSwitch"]
+            out.append(f"  after a switch: {after['requests']} requests prefilled {after['prefilled']:,} "
+                       f"({after['meanPrefilled']:,} each)")
+            rows = list(tokens["bySession"].items())
+            shown = ", ".join(f"{s} {v['prefilled']:,}/{v['reused']:,}" for s, v in rows[:8])
+            more = f", and {len(rows) - 8} more" if len(rows) > 8 else ""
+            out.append(f"  tokens by session (prefilled/reused): {shown}{more}")
     return "\n".join(out) + "\n"
 
 
