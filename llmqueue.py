@@ -26,6 +26,7 @@ import errno
 import heapq
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -34,7 +35,7 @@ import struct
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from json.encoder import encode_basestring_ascii as _json_str  # the C string encoder
 from typing import IO, TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
@@ -3293,8 +3294,11 @@ class Session:
             self.lease = lease
         return lease
 
-    def settle(self) -> None:
-        """The run settled: release after the grace, unless the next run starts first."""
+    def settle(self, park_after: Optional[float] = None) -> None:
+        """The run settled: release after the grace, unless the next run starts first.
+        ``park_after`` (seconds, at most the grace): keep the slot that long whoever waits, then
+        park for the rest of the grace; None: the session's own rule (a subagent parks at once,
+        a parent after ``PARENT_HANDBACK_MS``, and with ``yield_on_settle`` off it never parks)."""
         with self._lock:
             lease = self.lease
             if lease is None or lease.released or self._cancel_grace is not None:
@@ -3312,9 +3316,9 @@ class Session:
                 lease.release()
 
             self._cancel_grace = self.client.call_later(self.grace_ms / 1000.0, release)
-            if not self.yield_on_settle:
+            if park_after is None and not self.yield_on_settle:
                 return
-            if self.role == "child":
+            if park_after is None and self.role == "child" or park_after is not None and park_after <= 0:
                 self._settled = lease.blocking()
                 self._settled.__enter__()
                 return
@@ -3325,7 +3329,10 @@ class Session:
                         self._settled = lease.blocking()
                         self._settled.__enter__()
 
-            self.client.call_later(PARENT_HANDBACK_MS / 1000.0, park)
+            if park_after is None:
+                park_after = PARENT_HANDBACK_MS / 1000.0
+            if park_after < self.grace_ms / 1000.0:
+                self.client.call_later(park_after, park)
 
     def abort(self) -> None:
         """Esc: a queued request is dropped (its acquire raises Cancelled), a held slot released."""
@@ -3671,6 +3678,41 @@ def token_counts(timings: Optional[dict[str, Any]], usage: dict[str, Any]) -> Op
     return None
 
 
+_NO_FINISH = re.compile(rb'"finish_reason"\s*:\s*null')
+_TOOL_ITEMS = ("function_call", "custom_tool_call", "local_shell_call", "mcp_call", "computer_call")
+
+
+def _ending(obj: dict[str, Any]) -> Optional[str]:
+    """How a response (or its last event) ended, by its own account: ``tool`` when the model
+    asked for a tool (its agent comes right back with the output), ``turn`` when it ended its
+    turn (its agent now waits on a person, or on its parent), None when it says neither (cut at
+    ``max_tokens``, say)."""
+    choices = obj.get("choices")
+    if isinstance(choices, list):  # chat completions
+        for choice in choices:
+            reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+            if reason in ("tool_calls", "function_call"):
+                return "tool"
+            if reason == "stop":
+                return "turn"
+    reason = obj.get("stop_reason")  # Anthropic Messages: the message, or a message_delta's delta
+    if reason is None and isinstance(obj.get("delta"), dict):
+        reason = obj["delta"].get("stop_reason")
+    if reason == "tool_use":
+        return "tool"
+    if reason in ("end_turn", "stop_sequence"):
+        return "turn"
+    response = obj.get("response") if obj.get("type") == "response.completed" else (
+        obj if obj.get("object") == "response" and obj.get("status") == "completed" else None)
+    if isinstance(response, dict):  # Responses
+        output = response.get("output")
+        items = output if isinstance(output, list) else []
+        if any(isinstance(i, dict) and i.get("type") in _TOOL_ITEMS for i in items):
+            return "tool"
+        return "turn"
+    return None
+
+
 class UsageScanner:
     """A response's token accounting, read as the response streams past (it is never held): of
     an event stream, only the ``data:`` lines that name ``usage`` or ``timings`` are parsed; a
@@ -3687,6 +3729,7 @@ class UsageScanner:
         self._body = bytearray()
         self.timings: Optional[dict[str, Any]] = None
         self.usage: dict[str, Any] = {}
+        self.ending: Optional[str] = None  # "tool": it asked for a tool; "turn": it ended the turn
 
     def feed(self, data: bytes) -> None:
         if self.sse:
@@ -3703,7 +3746,11 @@ class UsageScanner:
                 self._body += data
 
     def _line(self, line: bytes) -> None:
-        if line.startswith(b"data:") and (b'"usage"' in line or b'"timings"' in line):
+        if not line.startswith(b"data:"):
+            return
+        if (b'"usage"' in line or b'"timings"' in line or b"response.completed" in line
+                or b"response.incomplete" in line or b'stop_reason"' in line
+                or b'finish_reason"' in line and not _NO_FINISH.search(line)):
             self._take(line[5:])
 
     def _take(self, raw: bytes) -> None:
@@ -3715,6 +3762,9 @@ class UsageScanner:
             return
         if isinstance(obj.get("timings"), dict):
             self.timings = obj["timings"]
+        ending = _ending(obj)
+        if ending is not None:
+            self.ending = ending
         for holder in (obj, obj.get("response"), obj.get("message")):  # chat, Responses, Anthropic
             usage = holder.get("usage") if isinstance(holder, dict) else None
             if isinstance(usage, dict):
@@ -3743,13 +3793,17 @@ def _is_loopback(host: str) -> bool:
 
 
 class _ProxySession:
-    """A queue Session plus how many of its requests are in flight."""
+    """A queue Session plus how many of its requests are in flight, and the gaps between its
+    requests (its agent's tool calls), which set how long it keeps the slot after a response."""
 
-    def __init__(self, session: Session, own: bool) -> None:
+    def __init__(self, session: Session, own: bool, interactive: bool) -> None:
         self.session = session
         self.own = own  # a request that named no session is a session of its own
+        self.interactive = interactive  # a parent by its path or headers: a person's session
         self.inflight = 0
         self.starting = threading.Lock()
+        self.last_end: Optional[float] = None  # when its last response ended (monotonic)
+        self.gaps: deque[float] = deque(maxlen=3)  # its last gaps, response end to next request
 
 
 class Proxy:
@@ -3836,8 +3890,30 @@ class Proxy:
                     self._conversations.popitem(last=False)
         return ident
 
+    def hold_window(self, ps: _ProxySession, ending: Optional[str]) -> Optional[float]:
+        """How long (seconds) a session keeps its slot after a response before it parks, that
+        is hands it to a waiter (it keeps it while nobody waits, up to the grace):
+
+        - the response ended the agent's turn: no time (its agent waits on a person or a parent);
+        - it asked for a tool: the grace (the agent comes right back, its context still warm);
+        - otherwise, for a parent named so by its path or headers: its own rule (a person's
+          session, ``PARENT_HANDBACK_MS``);
+        - otherwise: as long as the session's own tool calls take, 1.5x its longest recent gap
+          plus 0.2 s, within ``PARENT_HANDBACK_MS`` and the grace; the whole grace before its
+          first gap is known."""
+        grace = self.grace_ms / 1000.0
+        if ending == "turn":
+            return 0.0
+        if ending == "tool":
+            return grace
+        if ps.interactive:
+            return None
+        if ps.gaps:
+            return min(grace, max(PARENT_HANDBACK_MS / 1000.0, 1.5 * max(ps.gaps) + 0.2))
+        return grace
+
     def begin(self, session_key: Optional[str], role: str,
-              client_sock: Optional[socket.socket] = None) -> _ProxySession:
+              client_sock: Optional[socket.socket] = None, interactive: bool = False) -> _ProxySession:
         """Hold the slot for a request of ``session_key`` (a fresh session when None).  While it
         waits, ``client_sock`` is watched: an HTTP client that hangs up leaves the queue
         (Cancelled), as a socket client that disconnects would."""
@@ -3853,8 +3929,13 @@ class Proxy:
                 # at settle (it still hands back to a waiting parent at its next request).
                 ps = self._sessions[key] = _ProxySession(
                     self.client.session(self.queue_key, key, role, grace_ms=self.grace_ms,
-                                        yield_on_settle=None if role == "parent" else False), own)
+                                        yield_on_settle=None if role == "parent" else False), own,
+                    interactive and role == "parent")
             ps.inflight += 1
+            if ps.inflight == 1 and ps.last_end is not None:
+                gap = time.monotonic() - ps.last_end
+                if gap <= self.grace_ms / 1000.0:  # a longer one let the slot go: no tool call
+                    ps.gaps.append(gap)
         waiting = threading.Event()
         if client_sock is not None:
             threading.Thread(target=self._watch_hangup, args=(client_sock, waiting, key),
@@ -3887,15 +3968,18 @@ class Proxy:
                 ps.session.abort()  # its only request: leave the queue now
             return
 
-    def end(self, key: str, *, ok: bool) -> None:
-        """A request of ``key`` is over: the session settles (grace) after its last request, or
-        lets go at once after a failure or when it was a session of its own."""
+    def end(self, key: str, *, ok: bool, ending: Optional[str] = None) -> None:
+        """A request of ``key`` is over: the session settles (grace, parking after its
+        ``hold_window``) after its last request, or lets go at once after a failure or when it
+        was a session of its own.  ``ending``: how the response said it ended (``_ending``)."""
         with self._lock:
             ps = self._sessions.get(key)
             if ps is None:
                 return
             ps.inflight -= 1
             last = ps.inflight <= 0
+            if last:
+                ps.last_end = time.monotonic()
             if last and (ps.own or not ok):
                 del self._sessions[key]
         if not last:
@@ -3903,7 +3987,7 @@ class Proxy:
         if ps.own:
             ps.session.close()
         elif ok:
-            ps.session.settle()
+            ps.session.settle(park_after=self.hold_window(ps, ending))
             # Forget the session once its grace has let the slot go (and no request came).
             self.client.call_later(self.grace_ms / 1000.0 + 1.0, lambda: self._forget(key, ps))
         else:
@@ -3962,11 +4046,12 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 self.close_connection = True
                 return
             ident = proxy.identify({k.lower(): v for k, v in self.headers.items()}, body, session, role)
+            interactive = role == "parent"  # named a parent by its path or headers
             role = ident.role or proxy.role
             proxy.log(f"{self.command} {path}: session {ident.session or '(its own)'} as {role}, "
                       f"from {ident.source}")
             try:
-                ps = proxy.begin(ident.session, role, self.connection)
+                ps = proxy.begin(ident.session, role, self.connection, interactive)
             except DaemonUnavailable as e:
                 self._error(503, "llmqueue_unavailable", f"the llmqueue daemon is unavailable: {e}")
                 return
@@ -3982,7 +4067,7 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 if counts is not None:  # before the slot can go: the log ties it to this grant
                     proxy.client.usage(proxy.queue_key, key, *counts)
             finally:
-                proxy.end(key, ok=ok)
+                proxy.end(key, ok=ok, ending=self._scanner.ending if self._scanner is not None else None)
 
         def _relay(self, path: str, body: bytes) -> bool:
             """Forward one request and stream its response back; True when it completed well."""

@@ -1,7 +1,8 @@
 """A stub OpenAI-compatible model server for the suites: a slow streaming
 ``/v1/chat/completions`` on 127.0.0.1 (random port) that records every request.  Not a suite.
 ``/v1/responses`` and ``/v1/messages`` stream in their own formats (Responses events, Anthropic
-Messages events); every stream ends with the usage in ``USAGE``.
+Messages events); every stream ends with the usage in ``USAGE``, and with the finish reason an ``X-Finish`` header
+names (``stop``, the default; ``tool_calls``; ``length``), in the format's own words.
 
 - ``user`` in the request body (or an ``X-Who`` header) names the caller in the records; a
   ``slow-*`` user keeps streaming until ``let_slow_finish()``; a body that is not JSON is kept
@@ -57,23 +58,27 @@ def _delta(kind: str, text: str) -> bytes:
     return _sse(None, chunk)
 
 
-def _closing(kind: str, n: int) -> bytes:
+def _closing(kind: str, n: int, finish: str = "stop") -> bytes:
     prompt, cached = USAGE["prompt"], USAGE["cached"]
     if kind == "responses":
-        return _sse("response.completed", {"type": "response.completed", "sequence_number": 2, "response": {
-            "id": "resp_stub", "object": "response", "created_at": 0, "model": "stub", "status": "completed",
-            "output": [], "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
+        output = [{"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "bash", "arguments": "{}",
+                   "status": "completed"}] if finish == "tool_calls" else []
+        done = "response.incomplete" if finish == "length" else "response.completed"
+        return _sse(done, {"type": done, "sequence_number": 2, "response": {
+            "id": "resp_stub", "object": "response", "created_at": 0, "model": "stub",
+            "status": "incomplete" if finish == "length" else "completed",
+            "output": output, "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
             "usage": {"input_tokens": prompt, "output_tokens": n, "total_tokens": prompt + n,
                       "input_tokens_details": {"cached_tokens": cached},
                       "output_tokens_details": {"reasoning_tokens": 0}}}})
     if kind == "messages":
+        reason = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}[finish]
         return (_sse("content_block_stop", {"type": "content_block_stop", "index": 0})
-                + _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn",
-                                                                             "stop_sequence": None},
+                + _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None},
                                          "usage": {"output_tokens": n}})
                 + _sse("message_stop", {"type": "message_stop"}))
     final = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 0, "model": "stub",
-             "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+             "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
              "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
                        "prompt_tokens_details": {"cached_tokens": cached}},
              "timings": {"prompt_n": prompt - cached, "cache_n": cached, "predicted_n": n}}
@@ -137,7 +142,7 @@ class StubEndpoint:
                         self.wfile.flush()
                         rec["chunks"] = i
                         time.sleep(gap)
-                    self.wfile.write(_closing(kind, i))
+                    self.wfile.write(_closing(kind, i, self.headers.get("X-Finish") or "stop"))
                     self.wfile.flush()
                 except OSError:
                     rec["broken"] = True

@@ -1,0 +1,180 @@
+"""How long a proxy session keeps its slot after a response (issues 13 and 14): by how the
+response ended, and by the session's own tool calls.
+
+The response's own words decide first (read as it streams, in each format): a response that
+ended the agent's turn (``stop``, ``end_turn``, a completed Response with no tool call) hands the
+slot to a waiter at once; one that asked for a tool (``tool_calls``, ``tool_use``, a
+``function_call`` item) keeps it through the grace, since the agent comes right back.  A response
+that says neither (cut at ``max_tokens``) keeps it as long as the session's own tool calls take:
+the whole grace before its first gap is known, then 1.5x its longest recent gap plus 0.2 s (at
+least ``PARENT_HANDBACK_MS``); a parent named by its path keeps its handback window.  Whatever the
+window, a holder nobody waits for keeps its slot through the grace.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+import pytest
+
+import llmqueue as lq
+from tests.harness import DaemonProc, started, wait_for
+from tests.stub import StubEndpoint, _closing, _delta, _opening
+from tests.test_proxy import RunningProxy
+
+GRACE_MS = 3000
+SOON = 1.0  # "at once", on a loaded machine: far below the 3 s grace
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+@pytest.mark.parametrize("finish,want", [("stop", "turn"), ("tool_calls", "tool"), ("length", None)])
+def test_the_scanner_reads_how_each_format_says_a_response_ended(kind: str, finish: str, want: Optional[str]) -> None:
+    stream = _opening(kind) + _delta(kind, "a ") + _delta(kind, "b ") + _closing(kind, 2, finish)
+    for size in (1, 5, len(stream)):
+        scanner = lq.UsageScanner("text/event-stream")
+        for i in range(0, len(stream), size):
+            scanner.feed(stream[i:i + size])
+        scanner.result()
+        assert scanner.ending == want, (kind, finish, size)
+
+
+def test_endings_of_non_streamed_bodies_and_chunks_that_say_nothing() -> None:
+    assert lq._ending({"choices": [{"finish_reason": "tool_calls", "message": {}}]}) == "tool"
+    assert lq._ending({"choices": [{"finish_reason": None, "delta": {"content": "x"}}]}) is None
+    assert lq._ending({"type": "message", "stop_reason": "tool_use"}) == "tool"
+    assert lq._ending({"type": "message", "stop_reason": "max_tokens"}) is None
+    assert lq._ending({"object": "response", "status": "completed", "output": [{"type": "message"}]}) == "turn"
+    assert lq._ending({"object": "response", "status": "incomplete", "output": []}) is None
+    scanner = lq.UsageScanner("application/json")
+    scanner.feed(json.dumps({"choices": [{"finish_reason": "stop"}], "usage": {"prompt_tokens": 3}}).encode())
+    assert scanner.result() == (3, 0) and scanner.ending == "turn"
+
+
+# -- through the proxy ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stub() -> Iterator[StubEndpoint]:
+    s = StubEndpoint()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProc]:
+    yield from started(config={"defaults": {"agingAfterSlots": 0, "agingAfterMs": 0}})
+
+
+@pytest.fixture
+def proxy(stub: StubEndpoint, daemon: DaemonProc) -> Iterator[RunningProxy]:
+    p = RunningProxy(stub.base, daemon.agent_dir, grace_ms=GRACE_MS)
+    yield p
+    p.close()
+
+
+def body(agent: str, turn: int = 0) -> bytes:
+    messages: List[Dict[str, str]] = [{"role": "system", "content": f"you are {agent}"},
+                                      {"role": "user", "content": "go"}]
+    for i in range(turn):
+        messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"tool output {i}"}]
+    return json.dumps({"model": "m", "stream": True, "messages": messages}).encode()
+
+
+def post(port: int, data: bytes, who: str, finish: str = "stop", path: str = "/v1/chat/completions") -> float:
+    """One request through the proxy; returns when its response ended (monotonic)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json", "X-Who": who,
+                                                       "X-Finish": finish})
+        response = conn.getresponse()
+        assert response.status == 200
+        response.read()
+        return time.monotonic()
+    finally:
+        conn.close()
+
+
+def handover_after(stub: StubEndpoint, daemon: DaemonProc, p: RunningProxy, finish: str,
+                   warmup: List[float] = (), path: str = "/v1/chat/completions") -> float:
+    """Agent A (a conversation with no ids: a parent by default) makes ``len(warmup)`` requests
+    with those gaps after them, then one more that ends with ``finish`` while agent B waits:
+    the seconds from that response's end to B's request reaching the upstream."""
+    turn = 0
+    for gap in warmup:
+        post(p.port, body("A", turn), f"A{turn}", "length", path)
+        turn += 1
+        time.sleep(gap)
+    ended: List[float] = []
+    a = threading.Thread(target=lambda: ended.append(post(p.port, body("A", turn), "slow-A", finish, path)))
+    a.start()
+    wait_for(lambda: stub.started("slow-A"))
+    b = threading.Thread(target=post, args=(p.port, body("B"), "B"))
+    b.start()
+    wait_for(lambda: len(daemon.waiting(stub.base)) == 1)
+    stub.let_slow_finish()
+    a.join(30)
+    b.join(30)
+    rec = stub.record("B")
+    assert rec is not None and ended
+    return float(rec["start"]) - ended[0]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_a_response_that_ends_the_turn_hands_the_slot_to_a_waiter_at_once(
+        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy, path: str) -> None:
+    assert handover_after(stub, daemon, proxy, "stop", path=path) < SOON
+
+
+def test_a_response_that_asks_for_a_tool_keeps_the_slot_through_the_grace(
+        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
+    waited = handover_after(stub, daemon, proxy, "tool_calls")
+    assert GRACE_MS / 1000 - 0.5 < waited < GRACE_MS / 1000 + 3
+
+
+def test_a_response_that_says_neither_keeps_the_whole_grace_before_the_first_gap_is_known(
+        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
+    waited = handover_after(stub, daemon, proxy, "length")
+    assert GRACE_MS / 1000 - 0.5 < waited < GRACE_MS / 1000 + 3
+
+
+def test_then_as_long_as_the_sessions_own_tool_calls_take(
+        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
+    # Gaps of 0.2 s: a window of 1.5 x 0.2 + 0.2 = 0.5 s, far below the 3 s grace.
+    waited = handover_after(stub, daemon, proxy, "length", warmup=[0.2, 0.2])
+    assert 0.3 < waited < 0.5 + SOON
+
+
+def test_a_parent_named_by_its_path_keeps_its_handback_window(stub: StubEndpoint, daemon: DaemonProc) -> None:
+    p = RunningProxy(stub.base, daemon.agent_dir, grace_ms=GRACE_MS)
+    try:
+        ended: List[float] = []
+        a = threading.Thread(target=lambda: ended.append(
+            post(p.port, body("A"), "slow-A", "length", "/s/main/parent/v1/chat/completions")))
+        a.start()
+        wait_for(lambda: stub.started("slow-A"))
+        b = threading.Thread(target=post, args=(p.port, body("B"), "B"))
+        b.start()
+        wait_for(lambda: len(daemon.waiting(stub.base)) == 1)
+        stub.let_slow_finish()
+        a.join(30)
+        b.join(30)
+        rec = stub.record("B")
+        assert rec is not None and rec["start"] - ended[0] < lq.PARENT_HANDBACK_MS / 1000 + SOON
+    finally:
+        p.close()
+
+
+def test_a_holder_nobody_waits_for_keeps_its_slot_through_the_grace(
+        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
+    post(proxy.port, body("A"), "A0", "stop")  # ended its turn, but nobody waits
+    time.sleep(0.5)
+    (holder,) = daemon.holders(stub.base)
+    assert holder.startswith("conv:")
+    post(proxy.port, body("A", 1), "A1", "stop")  # its next turn within the grace: switch-free
+    q = daemon.queue(stub.base)
+    assert q["grants"] == 1 and q["switches"] == 0
+    wait_for(lambda: daemon.holders(stub.base) == [], timeout=GRACE_MS / 1000 + 3)
