@@ -3387,6 +3387,10 @@ class Session:
     def request(self, timeout: Optional[float] = None) -> _Request:
         return _Request(self, timeout)
 
+    def usage(self, prefilled: int, reused: int = 0) -> None:
+        """Report one of this session's requests' prompt tokens (``Client.usage``)."""
+        self.client.usage(self.queue_key, self.session_key, prefilled, reused)
+
     def blocking(self) -> _Blocking:
         if self.lease is None:
             raise LLMQueueError("blocking() outside a run")
@@ -4809,6 +4813,10 @@ def format_status(queues: list[dict[str, Any]]) -> str:
                        f"idle-yields {q.get('idleYields', 0)}  park-yields {q.get('parkYields', 0)}  "
                        f"ttl-evictions {q.get('ttlEvictions', 0)}  "
                        f"longest wait: {longest}")
+        tokens = q.get("tokens")
+        if isinstance(tokens, dict):  # once a usage op (the proxy, a Client) reported
+            out.append(f"  tokens: prefilled {tokens.get('prefilled', 0):,}  reused {tokens.get('reused', 0):,}  "
+                       f"over {tokens.get('requests', 0):,} requests")
         for label, people in (("holds", holders), ("waits", waiting)):
             for p in people:
                 group = f" [{p['group']}]" if p.get("group") else ""
@@ -4830,6 +4838,8 @@ def format_prometheus(queues: list[dict[str, Any]]) -> str:
         ("llmqueue_idle_yields_total", "counter", "Slots taken from idle holders for a waiter.", []),
         ("llmqueue_park_yields_total", "counter", "Slots parked holders handed to a waiter at once.", []),
         ("llmqueue_ttl_evictions_total", "counter", "Slots reclaimed from dead clients (TTL lapsed).", []),
+        ("llmqueue_prefilled_tokens_total", "counter", "Prompt tokens the server computed, as it reported them.", []),
+        ("llmqueue_reused_tokens_total", "counter", "Prompt tokens the server served from its cache.", []),
         ("llmqueue_holders", "gauge", "Sessions holding a slot.", []),
         ("llmqueue_max_streams", "gauge", "Slots of the queue (absent for passthrough queues).", []),
         ("llmqueue_waiting", "gauge", "Sessions waiting, per tier.", []),
@@ -4843,6 +4853,10 @@ def format_prometheus(queues: list[dict[str, Any]]) -> str:
                             ("llmqueue_park_yields_total", "parkYields"),
                             ("llmqueue_ttl_evictions_total", "ttlEvictions")):
             rows[name].append((label, q.get(field, 0)))
+        tokens = q.get("tokens")
+        if isinstance(tokens, dict):
+            rows["llmqueue_prefilled_tokens_total"].append((label, tokens.get("prefilled", 0)))
+            rows["llmqueue_reused_tokens_total"].append((label, tokens.get("reused", 0)))
         rows["llmqueue_holders"].append((label, len(q.get("holders") or [])))
         if q.get("maxStreams") is not None:
             rows["llmqueue_max_streams"].append((label, q["maxStreams"]))

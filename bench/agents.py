@@ -326,6 +326,9 @@ class Access:
     def tool(self, agent: "Agent", name: str) -> ContextManager[Any]:
         return contextlib.nullcontext()
 
+    def reported(self, agent: "Agent", reply: "Reply") -> None:
+        """A request's reply came back (the server's token counts in it)."""
+
     def close(self) -> None:
         pass
 
@@ -360,6 +363,10 @@ class ClientAccess(Access):
 
     def tool(self, agent: "Agent", name: str) -> ContextManager[Any]:
         return self._session(agent).tool(name)  # type: ignore[no-any-return]
+
+    def reported(self, agent: "Agent", reply: "Reply") -> None:
+        if reply.prompt_n is not None:  # as a Client user would: the server's counts, to the log
+            self.client.usage(self.queue_key, agent.session, reply.prompt_n, reply.cache_n or 0)
 
     def close(self) -> None:
         with self.lock:
@@ -459,6 +466,7 @@ class Agent:
         with access.request(self):
             reply = stream_chat(access.base(self), self.messages, self.workload.reply_tokens,
                                 headers={"X-Agent": self.name})
+            access.reported(self, reply)
         with self.lock:
             self.records.append(Record(self.name, self.session, self.conversation, self.role, asked, reply.first,
                                        reply.end, reply.ok, reply.status, reply.prompt_n, reply.cache_n,
@@ -660,15 +668,35 @@ def _measure(xs: Sequence[Interval]) -> float:
     return sum(b - a for a, b in xs)
 
 
+def session_aliases(events: List[Dict[str, Any]], records: Sequence[Record]) -> Dict[str, str]:
+    """The log's session keys that no agent uses (the proxy's own, like ``conv:...``) -> the
+    agent session whose request reported the same token counts within 2 s of the ``usage``."""
+    known = {r.session for r in records}
+    by_counts: Dict[Tuple[Optional[int], Optional[int]], List[Record]] = {}
+    for r in records:
+        by_counts.setdefault((r.prompt_n, r.cache_n), []).append(r)
+    aliases: Dict[str, str] = {}
+    for e in events:
+        if e.get("event") != "usage" or e.get("sessionKey") in known or e.get("sessionKey") in aliases:
+            continue
+        near = [r for r in by_counts.get((e.get("prefilled"), e.get("reused")), []) if abs(r.end - e["t"]) < 2.0]
+        if len(near) == 1:
+            aliases[str(e["sessionKey"])] = near[0].session
+    return aliases
+
+
 def dead_time(events: List[Dict[str, Any]], records: Sequence[Record]) -> Tuple[float, Dict[str, float]]:
     """Seconds a slot was held while someone else waited for it and its holder had no request
     in flight: (total, per session).  Holds and waits come from the daemon's event log; a
-    holder's requests from the agents' own records.  A session no agent is known by (the proxy's
-    anonymous ones) holds only while its one request is in flight: never dead."""
+    holder's requests from the agents' own records.  A session the proxy named itself (``conv:``,
+    from the conversation) is the agent whose request's token counts its ``usage`` events carry;
+    a session no agent is known by holds only while its one request is in flight: never dead."""
     busy: Dict[str, List[Interval]] = {}
     for r in records:
         busy.setdefault(r.session, []).append((r.ask, r.end))
     busy = {k: _union(v) for k, v in busy.items()}
+    for alias, session in session_aliases(events, records).items():
+        busy.setdefault(alias, busy.get(session, []))
     total = 0.0
     per_session: Dict[str, float] = {}
     for q in llmqueue.replay(events).values():
@@ -865,8 +893,9 @@ ACCESS = ("none", "client", "proxy", "proxy-anon")
 
 
 def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: str,
-             background: bool = True) -> Dict[str, Any]:
-    """One run of ``pattern`` through ``access_name`` against ``upstream``: its figures."""
+             background: bool = True, keep_log: Optional[str] = None) -> Dict[str, Any]:
+    """One run of ``pattern`` through ``access_name`` against ``upstream``: its figures.
+    ``keep_log``: copy the daemon's event log there (for ``llmqueue report``)."""
     queue = Queue(upstream, proxy=access_name.startswith("proxy")) if access_name != "none" else None
     client: Optional[llmqueue.Client] = None
     access: Access
@@ -893,6 +922,8 @@ def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: 
         if client is not None:
             client.close()
         if queue is not None:
+            if keep_log is not None and os.path.exists(queue.log):
+                shutil.copyfile(queue.log, keep_log)
             queue.close()
 
 
@@ -972,8 +1003,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--children", type=int, default=3, help="subagents (default 3)")
     ap.add_argument("--threads", type=int, default=2, help="llama-server threads (default 2)")
     ap.add_argument("--json", metavar="FILE", help="write every figure and request here")
+    ap.add_argument("--keep-logs", metavar="DIR", help="keep each queued run's event log here (llmqueue report)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.keep_logs:
+        os.makedirs(args.keep_logs, exist_ok=True)
 
     size = MODEL_SIZES[args.model_size or "small"]
     wl = Workload(children=args.children)
@@ -1035,7 +1069,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                             upstream = server.url
                         else:
                             upstream = args.upstream
-                        row.update(run_once(pattern, access_name, upstream, wl, salt, background))
+                        keep = (os.path.join(args.keep_logs, f"{pattern}-{row['setup']}-{workload}-{label}.log")
+                                if args.keep_logs and access_name != "none" else None)
+                        row.update(run_once(pattern, access_name, upstream, wl, salt, background, keep))
                         if server is not None:
                             row["server_args"] = server.argv[server.argv.index("--metrics") + 1:]
                     except Exception as e:  # noqa: BLE001 -- one failed run is a row, not the end

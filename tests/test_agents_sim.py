@@ -116,6 +116,22 @@ def test_proxy_with_named_sessions_prefills_at_most_1_3x_the_oracle_and_never_ov
     assert overlaps(sim) == 1
 
 
+def test_proxy_with_no_session_names_prefills_what_named_sessions_prefill(sim: KVSim, daemon: DaemonProc) -> None:
+    """Issue 14: the agents name nothing; the proxy keys each by its conversation, and holds its
+    slot across its tool calls.  Named sessions prefill at most 1.3x the oracle (above)."""
+    client = lq.Client(daemon.agent_dir, autostart=False, fail_open=False)
+    proxy = lq.Proxy(sim.base, client=client, listen=("127.0.0.1", 0), grace_ms=1000)
+    thread = threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    try:
+        result = run_delegate(agents.ProxyAccess(sim.url, proxy.url, named=False))
+    finally:
+        proxy.shutdown()
+        client.close()
+    assert prefill_ratio(result) <= 1.3
+    assert overlaps(sim) == 1
+
+
 # -- the benchmark's own figures -----------------------------------------------------------------
 
 
@@ -149,3 +165,10 @@ def test_dead_time_is_a_hold_with_nothing_in_flight_while_someone_waits() -> Non
     # Nobody waiting: an idle holder costs nothing.
     quiet = [ev(0, "grant", "a"), ev(6, "release", "a")]
     assert agents.dead_time(quiet, records[:2])[0] == 0.0
+    # The proxy's own session keys are the agents whose token counts their usage events carry.
+    counted = [rec("a", t0 + 0, t0 + 3, prompt_n=300), rec("a", t0 + 5, t0 + 6, prompt_n=20, cache_n=300),
+               rec("b", t0 + 6, t0 + 7, prompt_n=250)]
+    renamed = [dict(e, sessionKey="conv:1" if e["sessionKey"] == "a" else "conv:2") for e in events]
+    renamed += [ev(3, "usage", "conv:1", prefilled=300, reused=0), ev(7, "usage", "conv:2", prefilled=250, reused=0)]
+    assert agents.session_aliases(renamed, counted) == {"conv:1": "a", "conv:2": "b"}
+    assert agents.dead_time(renamed, counted)[0] == pytest.approx(2.0)

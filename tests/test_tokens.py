@@ -98,9 +98,11 @@ def test_client_usage_reports_and_never_raises_without_a_daemon() -> None:
     for d in started():
         client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
         try:
-            with client.session(K, "S", "parent").run():
+            session = client.session(K, "S", "parent")
+            with session.run():
                 client.usage(K, "S", 50, 150)
-            wait_for(lambda: d.queue(K).get("tokens") == {"prefilled": 50, "reused": 150, "requests": 1})
+                session.usage(5, 15)
+            wait_for(lambda: d.queue(K).get("tokens") == {"prefilled": 55, "reused": 165, "requests": 2})
         finally:
             client.close()
     gone = lq.Client(short_tmpdir(), autostart=False)
@@ -260,3 +262,23 @@ def test_the_report_window_cuts_the_tokens_too() -> None:
     assert report(path)["queues"]["http://gpu:8001/v1"]["tokens"]["prefilled"] == 30
     t = report(path, since=BASE + 30)["queues"]["http://gpu:8001/v1"]["tokens"]
     assert (t["requests"], t["prefilled"]) == (1, 20)
+
+
+def test_status_shows_the_running_totals_for_people_and_prometheus() -> None:
+    import subprocess
+    import sys
+
+    from tests.harness import MODULE
+
+    for d in started():
+        p = d.peer()
+        assert p.ask({"op": "acquire", "queueKey": K, "sessionKey": "A"})["op"] == "granted"
+        assert p.ask(usage("A", 1200, 34_000))["op"] == "ok"
+        table = subprocess.run([sys.executable, MODULE, "status", "--agent-dir", d.agent_dir],
+                               capture_output=True, text=True, timeout=30)
+        assert table.returncode == 0 and "tokens: prefilled 1,200  reused 34,000  over 1 requests" in table.stdout
+        prom = subprocess.run([sys.executable, MODULE, "status", "--format", "prometheus", "--agent-dir",
+                               d.agent_dir], capture_output=True, text=True, timeout=30)
+        assert "# TYPE llmqueue_prefilled_tokens_total counter" in prom.stdout
+        assert f'llmqueue_prefilled_tokens_total{{queue="{K}"}} 1200' in prom.stdout
+        assert f'llmqueue_reused_tokens_total{{queue="{K}"}} 34000' in prom.stdout
