@@ -37,7 +37,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from json.encoder import encode_basestring_ascii as _json_str  # the C string encoder
-from typing import IO, TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import IO, TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 if TYPE_CHECKING:  # the commands import it when they run: the daemon's start does without
     import argparse
@@ -2640,6 +2640,7 @@ class Client:
         # Every Lease object per (queue, session): several threads may hold the same session's
         # slot; the daemon's slot goes back when the last of them is released.
         self._leases: dict[tuple[str, str], list[Lease]] = {}
+        self._recent_gaps: deque[float] = deque(maxlen=8)  # its sessions' tool gaps: a new one's first guess
         self._cancels: dict[tuple[str, str], int] = {}  # cancel generation per (queue, session)
         self._heard = False  # the current connection has delivered a reply
         self._greeted = -1  # the connection generation that was sent its opening renew
@@ -3267,6 +3268,12 @@ class Session:
         self._settled: Optional[_Blocking] = None  # the parked grace of a settled run
         self._cancel_grace: Optional[Callable[[], None]] = None
         self._turn = 0  # bumped by every start/abort/close: a grace release from before is void
+        # Between two requests of a run (a tool call), the slot is kept while nobody waits, and
+        # for ``tool_gap_window`` of the session's own recent gaps while someone does: then it
+        # parks, so a long tool (a test suite, a build) never keeps others waiting behind it.
+        self._gap_turn = 0  # bumped at every request boundary: a gap park from before is void
+        self._request_end: Optional[float] = None
+        self._gaps: deque[float] = deque(maxlen=3)
         self._lock = threading.Lock()
 
     def _call_off_grace(self) -> None:
@@ -3304,6 +3311,9 @@ class Session:
             if lease is None or lease.released or self._cancel_grace is not None:
                 return
             turn = self._turn
+            self._gap_turn += 1
+            self._request_end = None
+            self._unpark()  # a gap's park: the settled run's own rule decides from here
 
             def release() -> None:
                 with self._lock:
@@ -3357,9 +3367,18 @@ class Session:
         """A request boundary: hold the slot (queueing again if it was lost), and hand it back
         first when a parent waits for this child's slot.  ``starts_run``: the request is a run
         of its own (the proxy's), so a pending grace release is called off first."""
-        if starts_run:
-            with self._lock:
+        with self._lock:
+            if starts_run:
                 self._call_off_grace()
+            self._gap_turn += 1
+            if self._request_end is not None:
+                gap = time.monotonic() - self._request_end
+                if gap <= self.grace_ms / 1000.0:  # a longer one was no typical tool call
+                    self._gaps.append(gap)
+                    self.client._recent_gaps.append(gap)
+                self._request_end = None
+            if self._cancel_grace is None:
+                self._unpark()  # the gap is over (a slot handed over meanwhile shows as lost)
         lease = self.lease
         if lease is None or lease.released:
             lease = self.start(timeout)
@@ -3379,7 +3398,23 @@ class Session:
         waits, and if one does the slot goes to it here, instead of after the tool call that
         follows.  The next request queues again, ahead of the other subagents."""
         lease = self.lease
-        if self.role != "child" or lease is None or not lease.held or lease.seq != self._served:
+        if lease is None or not lease.held or lease.released:
+            return
+        with self._lock:
+            self._gap_turn += 1
+            token = self._gap_turn
+            self._request_end = time.monotonic()
+            window = tool_gap_window(tuple(self._gaps) or tuple(self.client._recent_gaps), self.grace_ms / 1000.0)
+
+        def park() -> None:
+            with self._lock:
+                if (self._gap_turn == token and self._settled is None and self.lease is lease
+                        and lease.held and not lease.released):
+                    self._settled = lease.blocking()
+                    self._settled.__enter__()
+
+        self.client.call_later(window, park)
+        if self.role != "child" or lease.seq != self._served:
             return
         if lease.beat() and lease._parent_waiting and lease.held:
             self.client._give_back(lease)
@@ -3796,6 +3831,16 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def tool_gap_window(gaps: Sequence[float], grace_s: float) -> float:
+    """How long (seconds) a session keeps its slot between two of its requests while someone
+    waits, before it parks: as long as its own tool calls take, 1.5x its longest recent gap plus
+    0.2 s, within ``PARENT_HANDBACK_MS`` and the grace.  A session with no gap yet is given its
+    peers' recent ones; with none known at all, the whole grace."""
+    if not gaps:
+        return grace_s
+    return min(grace_s, max(PARENT_HANDBACK_MS / 1000.0, 1.5 * max(gaps) + 0.2))
+
+
 class _ProxySession:
     """A queue Session plus how many of its requests are in flight, and the gaps between its
     requests (its agent's tool calls), which set how long it keeps the slot after a response."""
@@ -3847,6 +3892,7 @@ class Proxy:
         self.client = client
         self.log = log or (lambda message: None)
         self._sessions: dict[str, _ProxySession] = {}
+        self._recent_gaps: deque[float] = deque(maxlen=8)  # every session's: a new one's first guess
         self._lock = threading.Lock()
         handler = _make_proxy_handler(self)
         self.server = ThreadingHTTPServer(listen, handler)
@@ -3903,8 +3949,8 @@ class Proxy:
         - otherwise, for a parent named so by its path or headers: its own rule (a person's
           session, ``PARENT_HANDBACK_MS``);
         - otherwise: as long as the session's own tool calls take, 1.5x its longest recent gap
-          plus 0.2 s, within ``PARENT_HANDBACK_MS`` and the grace; the whole grace before its
-          first gap is known."""
+          plus 0.2 s, within ``PARENT_HANDBACK_MS`` and the grace (before its first gap: its
+          peers' recent gaps, or the whole grace when none is known)."""
         grace = self.grace_ms / 1000.0
         if ending == "turn":
             return 0.0
@@ -3912,9 +3958,7 @@ class Proxy:
             return grace
         if ps.interactive:
             return None
-        if ps.gaps:
-            return min(grace, max(PARENT_HANDBACK_MS / 1000.0, 1.5 * max(ps.gaps) + 0.2))
-        return grace
+        return tool_gap_window(tuple(ps.gaps) or tuple(self._recent_gaps), grace)
 
     def begin(self, session_key: Optional[str], role: str,
               client_sock: Optional[socket.socket] = None, interactive: bool = False) -> _ProxySession:
@@ -3940,6 +3984,7 @@ class Proxy:
                 gap = time.monotonic() - ps.last_end
                 if gap <= self.grace_ms / 1000.0:  # a longer one let the slot go: no tool call
                     ps.gaps.append(gap)
+                    self._recent_gaps.append(gap)
         waiting = threading.Event()
         if client_sock is not None:
             threading.Thread(target=self._watch_hangup, args=(client_sock, waiting, key),

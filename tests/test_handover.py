@@ -390,3 +390,46 @@ def test_a_quick_second_run_in_the_grace_still_parks_when_it_settles() -> None:
             other = grant_after(client, "sub2", "child")
             other.join(SOON + 1.0)
             assert not other.is_alive() and time.monotonic() - sent < SOON  # not after the 5 s grace
+
+
+def test_a_long_tool_call_hands_the_slot_to_a_waiter_after_the_window_not_at_the_runs_end() -> None:
+    # Between two requests of a run the slot is kept while nobody waits; while someone does, for
+    # the whole grace until a gap is known, then for 1.5x the session's longest recent gap + 0.2 s.
+    for d in started():
+        with client_of(d) as client:
+            s = client.session(K, "sub1", "child", grace_ms=1500)
+            with s.run():
+                with s.request():
+                    pass
+                time.sleep(0.3)  # a short tool, nobody waits: kept, and its gap is learned
+                assert d.holders(K) == ["sub1"]
+                with s.request():
+                    pass
+                assert d.queue(K)["grants"] == 1  # switch-free
+                sent = time.monotonic()
+                other = grant_after(client, "sub2", "child")  # comes during a long tool
+                other.join(5.0)
+                waited = time.monotonic() - sent
+                # the window: 1.5 x 0.3 + 0.2 = 0.65 s after the request's end, far below the run's end
+                assert not other.is_alive() and 0.3 < waited < 0.65 + SOON
+                assert d.holders(K) == ["sub2"]
+                other.lease.release()
+                with s.request() as lease:  # the tool is done: it queues again, then streams
+                    assert lease.held and d.holders(K) == ["sub1"]
+            assert d.queue(K)["grants"] == 3
+
+
+def test_before_its_first_gap_a_session_keeps_the_slot_for_the_grace_while_someone_waits() -> None:
+    for d in started():
+        with client_of(d) as client:
+            s = client.session(K, "sub1", "child", grace_ms=1500)
+            with s.run():
+                with s.request():
+                    pass
+                sent = time.monotonic()
+                other = grant_after(client, "sub2", "child")
+                time.sleep(1.0)
+                assert other.is_alive() and d.holders(K) == ["sub1"]  # inside the grace: kept
+                other.join(5.0)
+                assert not other.is_alive() and time.monotonic() - sent < 1.5 + SOON
+                other.lease.release()

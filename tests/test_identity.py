@@ -262,13 +262,6 @@ def test_every_captured_request_gets_the_session_and_tier_its_tool_meant() -> No
 
 
 @pytest.fixture
-def stub() -> Iterator[StubEndpoint]:
-    s = StubEndpoint()
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def daemon() -> Iterator[DaemonProc]:
     yield from started(config={"defaults": {"agingAfterSlots": 0, "agingAfterMs": 0}})
 

@@ -31,13 +31,6 @@ from tests.stub import StubEndpoint
 
 
 @pytest.fixture
-def stub() -> Iterator[StubEndpoint]:
-    s = StubEndpoint()
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def daemon() -> Iterator[DaemonProc]:
     yield from started(config={"defaults": {"agingAfterSlots": 0, "agingAfterMs": 0}})
 

@@ -7,7 +7,8 @@ slot to a waiter at once; one that asked for a tool (``tool_calls``, ``tool_use`
 ``function_call`` item) keeps it through the grace, since the agent comes right back.  A response
 that says neither (cut at ``max_tokens``) keeps it as long as the session's own tool calls take:
 the whole grace before its first gap is known, then 1.5x its longest recent gap plus 0.2 s (at
-least ``PARENT_HANDBACK_MS``); a parent named by its path keeps its handback window.  Whatever the
+least ``PARENT_HANDBACK_MS``), and a new session starts from its peers' recent gaps; a parent
+named by its path keeps its handback window.  Whatever the
 window, a holder nobody waits for keeps its slot through the grace.
 """
 
@@ -17,7 +18,7 @@ import http.client
 import json
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
@@ -58,13 +59,6 @@ def test_endings_of_non_streamed_bodies_and_chunks_that_say_nothing() -> None:
 
 
 @pytest.fixture
-def stub() -> Iterator[StubEndpoint]:
-    s = StubEndpoint()
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def daemon() -> Iterator[DaemonProc]:
     yield from started(config={"defaults": {"agingAfterSlots": 0, "agingAfterMs": 0}})
 
@@ -99,7 +93,7 @@ def post(port: int, data: bytes, who: str, finish: str = "stop", path: str = "/v
 
 
 def handover_after(stub: StubEndpoint, daemon: DaemonProc, p: RunningProxy, finish: str,
-                   warmup: List[float] = (), path: str = "/v1/chat/completions") -> float:
+                   warmup: Sequence[float] = (), path: str = "/v1/chat/completions") -> float:
     """Agent A (a conversation with no ids: a parent by default) makes ``len(warmup)`` requests
     with those gaps after them, then one more that ends with ``finish`` while agent B waits:
     the seconds from that response's end to B's request reaching the upstream."""
@@ -148,24 +142,20 @@ def test_then_as_long_as_the_sessions_own_tool_calls_take(
     assert 0.3 < waited < 0.5 + SOON
 
 
-def test_a_parent_named_by_its_path_keeps_its_handback_window(stub: StubEndpoint, daemon: DaemonProc) -> None:
-    p = RunningProxy(stub.base, daemon.agent_dir, grace_ms=GRACE_MS)
-    try:
-        ended: List[float] = []
-        a = threading.Thread(target=lambda: ended.append(
-            post(p.port, body("A"), "slow-A", "length", "/s/main/parent/v1/chat/completions")))
-        a.start()
-        wait_for(lambda: stub.started("slow-A"))
-        b = threading.Thread(target=post, args=(p.port, body("B"), "B"))
-        b.start()
-        wait_for(lambda: len(daemon.waiting(stub.base)) == 1)
-        stub.let_slow_finish()
-        a.join(30)
-        b.join(30)
-        rec = stub.record("B")
-        assert rec is not None and rec["start"] - ended[0] < lq.PARENT_HANDBACK_MS / 1000 + SOON
-    finally:
-        p.close()
+def test_a_new_session_starts_from_its_peers_recent_gaps(
+        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
+    for turn in range(3):  # another agent's tool calls: 0.2 s each
+        post(proxy.port, body("W", turn), f"W{turn}", "length")
+        time.sleep(0.2)
+    wait_for(lambda: daemon.holders(stub.base) == [], timeout=GRACE_MS / 1000 + 3)
+    waited = handover_after(stub, daemon, proxy, "length")  # A: no gap of its own yet
+    assert 0.3 < waited < 0.5 + SOON
+
+
+def test_a_parent_named_by_its_path_keeps_its_handback_window(
+        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
+    waited = handover_after(stub, daemon, proxy, "length", path="/s/main/parent/v1/chat/completions")
+    assert waited < lq.PARENT_HANDBACK_MS / 1000 + SOON
 
 
 def test_a_holder_nobody_waits_for_keeps_its_slot_through_the_grace(

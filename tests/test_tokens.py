@@ -180,13 +180,6 @@ def test_token_counts_prefers_the_servers_own_timings() -> None:
 # -- through the proxy ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def stub() -> Iterator[StubEndpoint]:
-    s = StubEndpoint()
-    yield s
-    s.close()
-
-
 def test_the_proxy_reports_every_formats_tokens_to_the_log_and_status(stub: StubEndpoint) -> None:
     from tests.test_proxy import RunningProxy
 
