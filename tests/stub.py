@@ -2,7 +2,8 @@
 ``/v1/chat/completions`` on 127.0.0.1 (random port) that records every request.  Not a suite.
 ``/v1/responses`` and ``/v1/messages`` stream in their own formats (Responses events, Anthropic
 Messages events); every stream ends with the usage in ``USAGE``, and with the finish reason an ``X-Finish`` header
-names (``stop``, the default; ``tool_calls``; ``length``), in the format's own words.
+names (``stop``, the default; ``tool_calls``; ``length``), in the format's own words.  A body
+with ``"stream": false`` gets one JSON answer in the path's format (kept as ``sent``).
 
 - ``user`` in the request body (or an ``X-Who`` header) names the caller in the records; a
   ``slow-*`` user keeps streaming until ``let_slow_finish()``; a body that is not JSON is kept
@@ -85,6 +86,28 @@ def _closing(kind: str, n: int, finish: str = "stop") -> bytes:
     return _sse(None, final) + b"data: [DONE]\n\n"
 
 
+def _whole(path: str, n: int) -> bytes:
+    """A non-streamed answer: chat completion, Response, or Anthropic Message, with its usage."""
+    prompt, cached = USAGE["prompt"], USAGE["cached"]
+    text = "".join(f"tok{i} " for i in range(n))
+    if path.endswith("/responses"):
+        obj: dict[str, Any] = {"id": "resp_stub", "object": "response", "status": "completed", "model": "stub",
+                               "output": [{"type": "message", "role": "assistant",
+                                           "content": [{"type": "output_text", "text": text}]}],
+                               "usage": {"input_tokens": prompt, "output_tokens": n,
+                                         "input_tokens_details": {"cached_tokens": cached}}}
+    elif path.endswith("/messages"):
+        obj = {"id": "msg_stub", "type": "message", "role": "assistant", "model": "stub",
+               "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
+               "usage": {"input_tokens": prompt - cached, "cache_read_input_tokens": cached, "output_tokens": n}}
+    else:
+        obj = {"id": "chatcmpl-stub", "object": "chat.completion", "model": "stub",
+               "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+               "usage": {"prompt_tokens": prompt, "completion_tokens": n,
+                         "prompt_tokens_details": {"cached_tokens": cached}}}
+    return json.dumps(obj, indent=1).encode()
+
+
 class StubEndpoint:
     def __init__(self, chunks: int = 6, gap: float = 0.03) -> None:
         self.records: list[dict[str, Any]] = []
@@ -120,6 +143,16 @@ class StubEndpoint:
                 if rec["who"] == "fail-500":
                     payload = json.dumps({"error": {"message": "stub says no"}}).encode()
                     self.send_response(500)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    rec["end"] = time.monotonic()
+                    return
+                if body.get("stream") is False:  # one JSON body, in the path's format
+                    payload = _whole(self.path.split("?")[0], chunks)
+                    rec["sent"] = payload
+                    self.send_response(200)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()

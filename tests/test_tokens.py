@@ -275,3 +275,27 @@ def test_status_shows_the_running_totals_for_people_and_prometheus() -> None:
         assert "# TYPE llmqueue_prefilled_tokens_total counter" in prom.stdout
         assert f'llmqueue_prefilled_tokens_total{{queue="{K}"}} 1200' in prom.stdout
         assert f'llmqueue_reused_tokens_total{{queue="{K}"}} 34000' in prom.stdout
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_non_streamed_answers_pass_byte_for_byte_and_are_counted(stub: StubEndpoint, path: str) -> None:
+    import http.client
+
+    from tests.test_proxy import RunningProxy
+
+    for d in started():
+        p = RunningProxy(stub.base, d.agent_dir, grace_ms=200)
+        try:
+            body = json.dumps({"model": "m", "stream": False, "user": "whole",
+                               "messages": [{"role": "user", "content": "hi"}]})
+            conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=30)
+            conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            got = response.read()
+            conn.close()
+            rec = stub.record("whole")
+            assert response.status == 200 and rec is not None and got == rec["sent"]
+            wait_for(lambda: d.queue(stub.base).get("tokens") == {
+                "prefilled": USAGE["prompt"] - USAGE["cached"], "reused": USAGE["cached"], "requests": 1})
+        finally:
+            p.close()
