@@ -123,12 +123,14 @@ class StubEndpoint:
 
             def do_GET(self) -> None:
                 rec = stub._record("get", self)
-                body = json.dumps({"object": "list", "data": [{"id": "stub", "object": "model"}]}).encode()
-                self.send_response(200)
+                self._json(rec, 200, json.dumps({"object": "list", "data": [{"id": "stub", "object": "model"}]}).encode())
+
+            def _json(self, rec: dict[str, Any], status: int, payload: bytes) -> None:
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(payload)
                 rec["end"] = time.monotonic()
 
             def do_POST(self) -> None:
@@ -141,23 +143,11 @@ class StubEndpoint:
                 rec["body"] = body
                 rec["raw"] = raw
                 if rec["who"] == "fail-500":
-                    payload = json.dumps({"error": {"message": "stub says no"}}).encode()
-                    self.send_response(500)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    rec["end"] = time.monotonic()
+                    self._json(rec, 500, json.dumps({"error": {"message": "stub says no"}}).encode())
                     return
                 if body.get("stream") is False:  # one JSON body, in the path's format
-                    payload = _whole(self.path.split("?")[0], chunks)
-                    rec["sent"] = payload
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    rec["end"] = time.monotonic()
+                    rec["sent"] = _whole(self.path.split("?")[0], chunks)
+                    self._json(rec, 200, rec["sent"])
                     return
                 slow = rec["who"].startswith("slow")
                 self.send_response(200)

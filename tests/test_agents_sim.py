@@ -101,17 +101,21 @@ def test_client_sessions_prefill_at_most_1_3x_the_oracle_and_never_overlap(sim: 
     assert any(e["event"] == "release" and e.get("reason") == "parked" for e in events)
 
 
-def test_proxy_with_named_sessions_prefills_at_most_1_3x_the_oracle_and_never_overlaps(
-        sim: KVSim, daemon: DaemonProc) -> None:
+def run_delegate_through_proxy(sim: KVSim, daemon: DaemonProc, named: bool, grace_ms: int) -> agents.RunResult:
     client = lq.Client(daemon.agent_dir, autostart=False, fail_open=False)
-    proxy = lq.Proxy(sim.base, client=client, listen=("127.0.0.1", 0), grace_ms=100)
+    proxy = lq.Proxy(sim.base, client=client, listen=("127.0.0.1", 0), grace_ms=grace_ms)
     thread = threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True)
     thread.start()
     try:
-        result = run_delegate(agents.ProxyAccess(sim.url, proxy.url, named=True))
+        return run_delegate(agents.ProxyAccess(sim.url, proxy.url, named=named))
     finally:
         proxy.shutdown()
         client.close()
+
+
+def test_proxy_with_named_sessions_prefills_at_most_1_3x_the_oracle_and_never_overlaps(
+        sim: KVSim, daemon: DaemonProc) -> None:
+    result = run_delegate_through_proxy(sim, daemon, named=True, grace_ms=100)
     assert prefill_ratio(result) <= 1.3
     assert overlaps(sim) == 1
 
@@ -119,15 +123,7 @@ def test_proxy_with_named_sessions_prefills_at_most_1_3x_the_oracle_and_never_ov
 def test_proxy_with_no_session_names_prefills_what_named_sessions_prefill(sim: KVSim, daemon: DaemonProc) -> None:
     """Issue 14: the agents name nothing; the proxy keys each by its conversation, and holds its
     slot across its tool calls.  Named sessions prefill at most 1.3x the oracle (above)."""
-    client = lq.Client(daemon.agent_dir, autostart=False, fail_open=False)
-    proxy = lq.Proxy(sim.base, client=client, listen=("127.0.0.1", 0), grace_ms=1000)
-    thread = threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True)
-    thread.start()
-    try:
-        result = run_delegate(agents.ProxyAccess(sim.url, proxy.url, named=False))
-    finally:
-        proxy.shutdown()
-        client.close()
+    result = run_delegate_through_proxy(sim, daemon, named=False, grace_ms=1000)
     assert prefill_ratio(result) <= 1.3
     assert overlaps(sim) == 1
 

@@ -383,7 +383,7 @@ def test_a_quick_second_run_in_the_grace_still_parks_when_it_settles() -> None:
                 with child.run():
                     pass
             finally:
-                del cv.notify_all  # type: ignore[attr-defined]
+                del cv.notify_all
                 with cv:
                     wake()
             sent = time.monotonic()

@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict
 
 import pytest
 
 import llmqueue as lq
-from tests.harness import DaemonProc, short_tmpdir, started, wait_for
+from tests.harness import short_tmpdir, started, wait_for
+from tests.test_handover import log_lines
 from tests.stub import USAGE, StubEndpoint
 from tests.test_report import BASE, line, report, write
 
@@ -33,13 +34,6 @@ K = "http://127.0.0.1:8001/v1"
 
 def usage(session: str, prefilled: Any = 10, reused: Any = 30, key: str = K) -> Dict[str, Any]:
     return {"op": "usage", "queueKey": key, "sessionKey": session, "prefilled": prefilled, "reused": reused}
-
-
-def log_lines(path: str) -> List[Dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(x) for x in f if x.strip()]
 
 
 # -- the wire -----------------------------------------------------------------------------------------
