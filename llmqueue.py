@@ -1889,11 +1889,12 @@ class Daemon:
     def serve_forever(self, *, install_signals: Optional[bool] = None) -> None:
         """Serve until stopped.  Signals (SIGTERM/SIGINT stop, SIGHUP reloads) are handled when
         running in the main thread, unless ``install_signals`` is False."""
-        self.bind()
         if install_signals is None:
             install_signals = threading.current_thread() is threading.main_thread()
+        # Before the socket listens: a SIGTERM that follows the first connect must stop cleanly.
         restore = self._install_signals() if install_signals else None
         try:
+            self.bind()
             self._start()
             while not self._stopping:
                 self._turn()
@@ -2750,8 +2751,8 @@ class Client:
         reader.start()
         return sock
 
-    def _send(self, message: dict[str, Any], *, connect: bool = True, generation: Optional[int] = None) -> None:
-        """Send one request; raises DaemonUnavailable when there is no daemon to send it to, or
+    def _send(self, *messages: dict[str, Any], connect: bool = True, generation: Optional[int] = None) -> None:
+        """Send requests (in one write); raises DaemonUnavailable when there is no daemon to send it to, or
         (given ``generation``) when the connection is no longer the one the caller expects."""
         with self._cv:
             sock = self._connect() if connect else self._sock
@@ -2760,7 +2761,7 @@ class Client:
             generation = self._generation
         try:
             with self._send_lock:
-                sock.sendall(_line(message))
+                sock.sendall(b"".join(_line(m) for m in messages))
         except OSError as e:
             self._connection_lost(sock, generation)
             raise DaemonUnavailable(f"the daemon went away: {e.strerror or e}") from None
@@ -2909,14 +2910,16 @@ class Client:
                 # is serving, so a connection that dies before any reply at all can only be one
                 # that met a daemon in the very act of exiting (and is asked again), never a
                 # daemon that died while we waited (which lets the waiter go: fail-open).
-                self._send({"op": "renew"}, connect=False, generation=generation)
             # On the connection it was registered on: if that one dies first, the pending is
             # released (dead) with it, never silently re-sent elsewhere.
             message = {"op": "acquire", "queueKey": lease.queue_key, "sessionKey": lease.session_key,
                        "role": lease.role, "group": lease.group, "activity": lease.activity}
             if lease._resume:
                 message["resume"] = True
-            self._send(message, connect=False, generation=generation)
+            # The greeting and the acquire go in one write, so the daemon reads them in one turn:
+            # it can never answer the greeting and then exit idle before the acquire arrives.
+            greeting = [{"op": "renew"}] if greet else []
+            self._send(*greeting, message, connect=False, generation=generation)
         except DaemonUnavailable as e:
             if pending.dead:
                 return pending  # the connection broke under the send: the caller may ask again

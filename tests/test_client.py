@@ -777,6 +777,56 @@ def check_idle_exit_instant(threads: int, rounds: int) -> None:
     wait_for(lambda: not os.path.exists(os.path.join(d, "llm-queue.sock")), timeout=20)
 
 
+def test_a_fresh_connection_greets_and_asks_in_one_read_so_an_idle_exit_cannot_fall_between() -> None:
+    """A daemon with daemonIdleExitMs 0 handles what it has read, then exits if no counted request
+    was among it.  If the client's greeting (a bare renew) and its acquire arrived in two reads,
+    the daemon could answer the greeting and exit before the acquire came: the client, having
+    heard an answer, would then run unqueued (fail-open).  They must arrive together."""
+    d = short_tmpdir()
+    path = os.path.join(d, "llm-queue.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    first_reads: list[list[str]] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                try:  # one read, as soon as anything arrives: what one write of the client holds
+                    chunk = conn.recv(65536)
+                except OSError:
+                    continue
+                msgs = [json.loads(line) for line in chunk.splitlines() if line.strip()]
+                first_reads.append([m["op"] for m in msgs])
+                out = b""
+                for m in msgs:
+                    if m["op"] == "renew":
+                        out += json.dumps({"op": "ok"}).encode() + b"\n"
+                    elif m["op"] == "acquire":
+                        out += json.dumps({"op": "granted", "queueKey": m["queueKey"],
+                                           "sessionKey": m["sessionKey"]}).encode() + b"\n"
+                conn.sendall(out)
+                if "acquire" in [m["op"] for m in msgs]:
+                    time.sleep(1.0)  # counted: stays a moment, long enough to be heard
+                # else: nothing counted was read, so it exits idle at once (the close)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    warnings: list[str] = []
+    try:
+        with lq.Client(d, autostart=False, on_warning=warnings.append) as c:
+            lease = c.acquire(K, "A", timeout=10)
+            assert lease.queued, warnings
+            assert first_reads[0] == ["renew", "acquire"]
+    finally:
+        listener.close()
+        t.join(5)
+
+
 def test_a_client_arriving_as_the_daemon_idle_exits_is_still_queued() -> None:
     check_idle_exit_instant(threads=3, rounds=6)
 
