@@ -120,6 +120,12 @@ PARENT_HANDBACK_MS = 250
 ROLES = ("parent", "child")  # wire names of the tiers, in grant order
 PARENT, CHILD = 0, 1
 POLICIES = ("priority-aging", "fifo")
+# What a switch of the slot costs on the queue's server: "auto" learns it from the usage op (a
+# session back on the slot after another finds its context kept, or not); "cheap" (the server
+# keeps every context: a large host cache, a slot per agent) or "dear" says it.
+SWITCH_COSTS = ("auto", "cheap", "dear")
+KEPT_CHEAP = 0.8  # the mean share of their context that sessions back after a switch find kept
+KEPT_SAMPLES = 4  # the returns that mean covers: the most recent ones
 
 DEFAULT_BLOCKING_TOOLS = (
     "subagent",
@@ -175,6 +181,7 @@ class QueuePolicy(NamedTuple):
     aging_after_slots: int = 3
     aging_after_ms: int = 60000
     idle_yield_ms: int = 30000
+    switch_cost: str = "auto"
 
 
 DEFAULT_POLICY = QueuePolicy(max_streams=1)
@@ -187,6 +194,7 @@ _POLICY_FIELDS: Dict[str, Tuple[str, str]] = {
     "agingAfterSlots": ("aging_after_slots", "nonneg"),
     "agingAfterMs": ("aging_after_ms", "nonneg"),
     "idleYieldMs": ("idle_yield_ms", "idle"),
+    "switchCost": ("switch_cost", "switch"),
 }
 _CLIENT_FIELDS = ("failOpen", "queueTimeoutMs", "blockingTools")
 _DAEMON_FIELDS = ("daemonIdleExitMs", "logFile")
@@ -246,6 +254,10 @@ def _check_field(path: str, rule: str, value: Any, errors: list[str]) -> bool:
     elif rule == "idle":
         if not _is_int(value) or not (value == 0 or MIN_IDLE_YIELD_MS <= value <= MAX_CONFIG_INT):
             errors.append(f"{path} must be 0 (off) or an integer of at least {MIN_IDLE_YIELD_MS} {got}")
+            return False
+    elif rule == "switch":
+        if value not in SWITCH_COSTS:
+            errors.append(f"{path} must be one of {', '.join(SWITCH_COSTS)} {got}")
             return False
     elif rule == "policy":
         if value not in POLICIES:
@@ -850,6 +862,49 @@ class Usage(NamedTuple):
     prefilled: int
     reused: int
     seq: Optional[int]
+    kept: Optional[float] = None  # back on the slot after another session: the share of its context kept
+    switch_cost: str = "unknown"  # the queue's switches as of this report: cheap, dear, unknown
+
+
+def switch_cost(kept: Sequence[float], setting: str = "auto") -> str:
+    """What a switch costs on a queue: its ``switchCost`` setting, or (``auto``) learned from the
+    share of their context that sessions back on the slot after another found kept (the server's
+    own counts): ``cheap`` when the most recent ones kept at least ``KEPT_CHEAP`` on average,
+    ``dear`` when not, ``unknown`` before any session came back."""
+    if setting != "auto":
+        return setting
+    recent = list(kept)[-KEPT_SAMPLES:]
+    if not recent:
+        return "unknown"
+    return "cheap" if sum(recent) / len(recent) >= KEPT_CHEAP else "dear"
+
+
+class _Affinity:
+    """A queue's switch record, from its usage reports: who reported last, each session's last
+    prompt (its size in tokens), and the share kept by each return after a switch."""
+
+    __slots__ = ("last", "prompts", "kept", "returns")
+
+    def __init__(self) -> None:
+        self.last: Optional[str] = None
+        self.prompts: OrderedDict[str, int] = OrderedDict()
+        self.kept: deque[float] = deque(maxlen=KEPT_SAMPLES)
+        self.returns = 0
+
+    def report(self, session: str, prefilled: int, reused: int) -> Optional[float]:
+        """One request's counts; the share of its previous prompt it found kept, when another
+        session reported in between (it came back after a switch), else None."""
+        before = self.prompts.pop(session, None)
+        kept = None
+        if before and self.last is not None and self.last != session:
+            kept = min(1.0, reused / before)
+            self.kept.append(kept)
+            self.returns += 1
+        self.prompts[session] = prefilled + reused
+        while len(self.prompts) > 1024:
+            self.prompts.popitem(last=False)
+        self.last = session
+        return kept
 
 
 Event = Union[Granted, Queued, Dequeued, Released, Evicted, Moved, OverCapacity, Usage]
@@ -960,6 +1015,7 @@ class Scheduler:
         # queue key -> [prefilled, reused, reports]: the running token totals (usage op), kept
         # apart from the queues, which are forgotten when empty; the oldest keys go past 4096
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
+        self._affinity: OrderedDict[str, _Affinity] = OrderedDict()  # the same, for switch costs
         self._forgettable: OrderedDict[str, None] = OrderedDict()  # empty, unconfigured queues
         self._seq = 0  # waiter enqueue order, scheduler-wide
         # Grant numbers, scheduler-wide: so per queue they only grow, even for a queue that was
@@ -1085,7 +1141,14 @@ class Scheduler:
         self._tokens[resolved] = totals
         while len(self._tokens) > 4096:
             self._tokens.popitem(last=False)
-        return Usage(resolved, session, prefilled, reused, holder.seq if holder else None)
+        affinity = self._affinity.pop(resolved, None) or _Affinity()
+        self._affinity[resolved] = affinity
+        while len(self._affinity) > 4096:
+            self._affinity.popitem(last=False)
+        kept = affinity.report(session, prefilled, reused)
+        setting = q.policy.switch_cost if q else self.addressing.address_endpoint(key)[1].switch_cost
+        return Usage(resolved, session, prefilled, reused, holder.seq if holder else None, kept,
+                     switch_cost(affinity.kept, setting))
 
     def parent_waits(self, key: str, session: str) -> bool:
         """Whether the session holds a child's slot there while a parent waits: a hint, in its
@@ -1306,6 +1369,12 @@ class Scheduler:
             tokens = self._tokens.get(q.key)
             if tokens is not None:  # additive: only once a usage op reported for the queue
                 head["tokens"] = {"prefilled": tokens[0], "reused": tokens[1], "requests": tokens[2]}
+            affinity = self._affinity.get(q.key)
+            if affinity is not None or q.policy.switch_cost != "auto":  # additive, likewise
+                kept = list(affinity.kept) if affinity else []
+                head["affinity"] = {"switchCost": switch_cost(kept, q.policy.switch_cost),
+                                    "returns": affinity.returns if affinity else 0,
+                                    "kept": round(sum(kept) / len(kept), 3) if kept else None}
             if now is not None:
                 oldest = [q.head(tier) for tier in (PARENT, CHILD)]
                 head["longestWaitMs"] = {
@@ -1641,6 +1710,12 @@ def encode_released(key: str, session: Optional[str]) -> bytes:
     return f'{{"op":"ok","queueKey":{_json_str(key)},"sessionKey":{_json_str(session)}}}\n'.encode()
 
 
+def encode_usage(key: str, session: Optional[str], cost: str) -> bytes:
+    """The ``ok`` reply to ``usage``: the keys echoed, and (additive) ``switchCost``, what a
+    switch costs on the queue as learned so far (``cheap``, ``dear``, ``unknown``)."""
+    return encode_released(key, session)[:-2] + f',"switchCost":{_json_str(cost)}}}\n'.encode()
+
+
 def encode_beat(key: str, session: str, granted: bool, parent_waiting: bool = False) -> bytes:
     """The reply to a keyed ``renew``; ``parentWaiting`` (additive, only when true): a child's
     slot is wanted by a parent."""
@@ -1671,6 +1746,8 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
                                 "prefilled": event.prefilled, "reused": event.reused}
         if event.seq is not None:
             line["seq"] = event.seq
+        if event.kept is not None:
+            line["kept"] = round(event.kept, 3)
         return [line]
     holder = event.holder
     base = {"queueKey": event.queue_key, "sessionKey": holder.session, "role": ROLES[holder.role]}
@@ -2141,8 +2218,9 @@ class Daemon:
             self._apply(sched.set_role(session, req.role, now=now))
         elif op == "usage":
             assert req.queue_key is not None
-            self._apply([sched.usage(req.queue_key, session, req.prefilled or 0, req.reused or 0)])
-            self._send(c, encode_released(req.queue_key, req.session_key))
+            used = sched.usage(req.queue_key, session, req.prefilled or 0, req.reused or 0)
+            self._apply([used])
+            self._send(c, encode_usage(req.queue_key, req.session_key, used.switch_cost))
         elif op == "status":
             self._send(c, b'{"op":"status","queues":' + sched.status_json(now).encode() + b"}\n")
         elif op == "bye":  # spec (#63): disconnected now, though the socket stays open
@@ -2642,6 +2720,7 @@ class Client:
         # slot; the daemon's slot goes back when the last of them is released.
         self._leases: dict[tuple[str, str], list[Lease]] = {}
         self._recent_gaps: deque[float] = deque(maxlen=8)  # its sessions' tool gaps: a new one's first guess
+        self._switch_costs: OrderedDict[str, str] = OrderedDict()  # per queue key, from usage replies
         self._cancels: dict[tuple[str, str], int] = {}  # cancel generation per (queue, session)
         self._heard = False  # the current connection has delivered a reply
         self._greeted = -1  # the connection generation that was sent its opening renew
@@ -2810,6 +2889,11 @@ class Client:
             elif op == "status":
                 if self._statuses:
                     self._statuses.pop(0).resolve(reply)
+            elif op == "ok" and reply.get("switchCost") in ("cheap", "dear", "unknown"):
+                self._switch_costs.pop(key[0], None)
+                self._switch_costs[key[0]] = str(reply["switchCost"])
+                while len(self._switch_costs) > 1024:
+                    self._switch_costs.popitem(last=False)
             # anything else (a release's ok, a bare renew's ok, an error) has nobody waiting
 
     def _connection_lost(self, sock: socket.socket, generation: int) -> None:
@@ -3085,6 +3169,13 @@ class Client:
         Never blocks, never raises for a daemon that is gone."""
         self._quietly({"op": "usage", "queueKey": queue_key, "sessionKey": session_key,
                        "prefilled": int(prefilled), "reused": int(reused)})
+
+    def switch_cost(self, queue_key: str) -> str:
+        """What a switch of ``queue_key``'s slot costs, as the daemon last answered a usage report
+        for it: ``cheap`` (the server keeps the contexts of sessions that step away), ``dear``
+        (it re-prefills them), or ``unknown`` (no report yet, or no session came back yet)."""
+        with self._cv:
+            return self._switch_costs.get(queue_key, "unknown")
 
     def status(self, timeout: float = 5.0) -> list[dict[str, Any]]:
         """The daemon's ``status`` queues (starting the daemon if need be)."""
@@ -3407,7 +3498,11 @@ class Session:
             self._gap_turn += 1
             token = self._gap_turn
             self._request_end = time.monotonic()
-            window = tool_gap_window(tuple(self._gaps) or tuple(self.client._recent_gaps), self.grace_ms / 1000.0)
+            if self.role == "child" and self.client.switch_cost(self.queue_key) == "cheap":
+                window = 0.0  # the server keeps our context: a waiter loses nothing by going first
+            else:
+                window = tool_gap_window(tuple(self._gaps) or tuple(self.client._recent_gaps),
+                                         self.grace_ms / 1000.0)
 
         def park() -> None:
             with self._lock:
@@ -3953,9 +4048,15 @@ class Proxy:
           session, ``PARENT_HANDBACK_MS``);
         - otherwise: as long as the session's own tool calls take, 1.5x its longest recent gap
           plus 0.2 s, within ``PARENT_HANDBACK_MS`` and the grace (before its first gap: its
-          peers' recent gaps, or the whole grace when none is known)."""
+          peers' recent gaps, or the whole grace when none is known).
+
+        Except that where switches are cheap (the daemon learned that sessions back on the slot
+        find their context kept), only a named parent keeps its slot: any other hands over at
+        once, since a waiter going first costs it no prefill."""
         grace = self.grace_ms / 1000.0
         if ending == "turn":
+            return 0.0
+        if not ps.interactive and self.client.switch_cost(self.queue_key) == "cheap":
             return 0.0
         if ending == "tool":
             return grace
@@ -4328,7 +4429,7 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if q is None:
             q = queues[key] = {"holds": [], "waits": [], "open": {}, "waiting": {}, "switches": [],
                                "idle": [], "parked": [], "evictions": [], "config": [], "grants": [],
-                               "sessions": {}, "usage": [], "switch_seqs": set()}
+                               "sessions": {}, "usage": [], "switch_seqs": set(), "kept": []}
         kind, t = e["event"], e["t"]
         if kind == "config":
             q["config"].append(t)
@@ -4353,6 +4454,9 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             prefilled, reused = e.get("prefilled"), e.get("reused")
             if _count(prefilled) is not None and _count(reused) is not None:
                 q["usage"].append((t, session, prefilled, reused, e.get("seq")))
+            kept = e.get("kept")
+            if isinstance(kept, (int, float)) and not isinstance(kept, bool) and 0 <= kept <= 1:
+                q["kept"].append((t, float(kept)))
             continue
         if kind == "release" or kind == "evict":
             reason = e.get("reason") or kind
@@ -4440,6 +4544,11 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
                            "p95Ms": round(_percentile(done, 95)), "maxMs": round(max(done, default=0.0))}
         switches = count([t for t, _ in q["switches"]])
         tokens = _token_figures([u for u in q["usage"] if inside(u[0])], q["switch_seqs"])
+        if tokens is not None:
+            kept = [k for t, k in q["kept"] if inside(t)]
+            tokens["returns"] = {"requests": len(kept),
+                                 "meanKept": round(sum(kept) / len(kept), 3) if kept else None,
+                                 "switchCost": switch_cost(kept)}
         out["queues"][key] = {
             "grants": count(q["grants"]),
             "switches": switches,
@@ -4528,6 +4637,10 @@ def format_report(report: dict[str, Any]) -> str:
             after = tokens["afterSwitch"]
             out.append(f"  after a switch: {after['requests']} requests prefilled {after['prefilled']:,} "
                        f"({after['meanPrefilled']:,} each)")
+            back = tokens.get("returns")
+            if back and back["requests"]:
+                out.append(f"  back after a switch: {back['requests']} requests found {back['meanKept'] * 100:.0f}% "
+                           f"of their context kept: switches are {back['switchCost']}")
             rows = list(tokens["bySession"].items())
             shown = ", ".join(f"{s} {v['prefilled']:,}/{v['reused']:,}" for s, v in rows[:8])
             more = f", and {len(rows) - 8} more" if len(rows) > 8 else ""

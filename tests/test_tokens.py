@@ -44,8 +44,9 @@ def test_usage_adds_to_the_queues_running_totals_and_is_answered_ok_echoing_its_
         p = d.peer()
         assert p.ask({"op": "acquire", "queueKey": K, "sessionKey": "A"})["op"] == "granted"
         assert "tokens" not in d.queue(K)  # additive: absent until a report
-        assert p.ask(usage("A", 100, 0)) == {"op": "ok", "queueKey": K, "sessionKey": "A"}
-        assert p.ask(usage("A", 20, 90)) == {"op": "ok", "queueKey": K, "sessionKey": "A"}
+        # The reply also says what a switch costs there, as learned so far: nobody came back yet.
+        assert p.ask(usage("A", 100, 0)) == {"op": "ok", "queueKey": K, "sessionKey": "A", "switchCost": "unknown"}
+        assert p.ask(usage("A", 20, 90)) == {"op": "ok", "queueKey": K, "sessionKey": "A", "switchCost": "unknown"}
         assert p.ask({"op": "usage", "queueKey": K, "sessionKey": "A", "reused": 5})["op"] == "ok"
         assert d.queue(K)["tokens"] == {"prefilled": 120, "reused": 95, "requests": 3}
         # A session that holds nothing there may report too (the proxy reports before it lets go,

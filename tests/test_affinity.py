@@ -1,0 +1,258 @@
+"""Affinity that fits the server (issue 13, item 4): the queue learns what a switch costs.
+
+A session that reports usage after another session reported on the same queue has come back
+after a switch: the share of its previous prompt the server served from its cache (``reused`` /
+the previous prompt's tokens) says whether the server kept its context meanwhile.  The mean of
+the last ``KEPT_SAMPLES`` such returns decides: at least ``KEPT_CHEAP``, switches are ``cheap``
+(a large host cache, a slot per agent); below it, ``dear``; before any return, ``unknown``.  A
+queue's ``switchCost`` setting (``cheap``, ``dear``) says it instead of learning (``auto``).
+
+Pinned through the pure core, the socket (the usage reply's ``switchCost``, ``status``'s
+``affinity``, the log's ``kept``, the report's line), ``Client`` (a subagent session hands over
+at once at the end of each request while someone waits, where switches are cheap, and keeps
+its tool-gap window where they are dear or unknown), the proxy's hold rule, and the KV-cache
+simulator (the effect on prefilled tokens and on the time a waiter stands behind a tool call).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+import llmqueue as lq
+from tests.harness import ROOT, DaemonProc, short_tmpdir, started, wait_for
+from tests.kvsim import KVSim
+from tests.test_handover import client_of, grant_after, log_lines
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import agents  # noqa: E402
+
+K = "http://127.0.0.1:8001/v1"
+SOON = 1.0  # "at once", on a loaded machine
+
+
+def usage(session: str, prefilled: int, reused: int, key: str = K) -> Dict[str, Any]:
+    return {"op": "usage", "queueKey": key, "sessionKey": session, "prefilled": prefilled, "reused": reused}
+
+
+# -- the pure core ------------------------------------------------------------------------------
+
+
+def test_the_verdict_is_the_mean_of_the_latest_returns_or_the_setting() -> None:
+    assert lq.switch_cost([]) == "unknown"
+    assert lq.switch_cost([1.0, 0.9, 0.7]) == "cheap"  # mean 0.87
+    assert lq.switch_cost([1.0, 0.5]) == "dear"  # mean 0.75
+    # only the latest KEPT_SAMPLES count: a server whose cache grew is learned again
+    assert lq.switch_cost([0.0] * 10 + [1.0] * lq.KEPT_SAMPLES) == "cheap"
+    assert lq.switch_cost([1.0] * 10 + [0.0] * lq.KEPT_SAMPLES) == "dear"
+    assert lq.switch_cost([1.0], "dear") == "dear" and lq.switch_cost([0.0], "cheap") == "cheap"
+    assert lq.switch_cost([], "cheap") == "cheap"
+
+
+def test_a_return_after_another_sessions_report_is_sampled_and_a_report_in_a_row_is_not() -> None:
+    s = lq.Scheduler()
+    first = s.usage(K, "A", 1000, 0)
+    assert first.kept is None and first.switch_cost == "unknown"
+    again = s.usage(K, "A", 50, 1000)  # no switch in between: says nothing about switches
+    assert again.kept is None and again.switch_cost == "unknown"
+    assert s.usage(K, "B", 800, 0).kept is None  # a new session: nothing to keep
+    back = s.usage(K, "A", 60, 1050)  # A's previous prompt was 1,050 tokens: all of it kept
+    assert back.kept == 1.0 and back.switch_cost == "cheap"
+    evicted = s.usage(K, "B", 900, 4)  # B's 800 were evicted meanwhile
+    assert evicted.kept == pytest.approx(4 / 800) and evicted.switch_cost == "dear"  # mean 0.5
+    # Queues learn apart: another endpoint's sessions tell nothing about this one.
+    assert s.usage("http://127.0.0.1:8002/v1", "C", 10, 0).switch_cost == "unknown"
+
+
+def test_a_queues_setting_wins_over_what_it_learned() -> None:
+    config, errors, _ = lq.validate_config({"queues": {K: {"switchCost": "dear"}}})
+    assert errors == []
+    s = lq.Scheduler(lq.Addressing(config))
+    s.usage(K, "A", 1000, 0)
+    s.usage(K, "B", 1000, 0)
+    assert s.usage(K, "A", 10, 1000).switch_cost == "dear"
+
+
+def test_a_bad_switch_cost_is_a_config_error_named_by_its_path() -> None:
+    _, errors, _ = lq.validate_config({"defaults": {"switchCost": "free"}})
+    assert errors == ['defaults.switchCost must be one of auto, cheap, dear (got "free")']
+
+
+# -- the wire -------------------------------------------------------------------------------------
+
+
+def test_the_usage_reply_status_and_log_say_what_a_switch_costs() -> None:
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log}}):
+        p = d.peer()
+        assert "affinity" not in d.queue(K) if d.status() else True  # additive: absent until a report
+        assert p.ask(usage("A", 1000, 0))["switchCost"] == "unknown"
+        assert p.ask(usage("B", 1000, 0))["switchCost"] == "unknown"
+        assert p.ask(usage("A", 20, 1000)) == {"op": "ok", "queueKey": K, "sessionKey": "A", "switchCost": "cheap"}
+        assert p.ask({"op": "acquire", "queueKey": K, "sessionKey": "B"})["op"] == "granted"
+        assert d.queue(K)["affinity"] == {"switchCost": "cheap", "returns": 1, "kept": 1.0}
+        assert p.ask(usage("B", 1000, 0))["switchCost"] == "dear"  # B's 1,000 all gone: mean 0.5
+        assert d.queue(K)["affinity"] == {"switchCost": "dear", "returns": 2, "kept": 0.5}
+        lines = wait_for(lambda: [e for e in log_lines(log) if e["event"] == "usage"][3:] or None)
+        kept = [e.get("kept") for e in log_lines(log) if e["event"] == "usage"]
+        assert kept == [None, None, 1.0, 0.0] and lines
+        report = lq.build_report(lq.read_event_log([log]))
+        assert report["queues"][K]["tokens"]["returns"] == {"requests": 2, "meanKept": 0.5, "switchCost": "dear"}
+        assert "back after a switch: 2 requests found 50% of their context kept: switches are dear" in \
+            lq.format_report(report)
+
+
+def test_a_configured_switch_cost_shows_in_status_before_any_report() -> None:
+    for d in started(config={"queues": {K: {"switchCost": "cheap"}}}):
+        p = d.peer()
+        assert p.ask({"op": "acquire", "queueKey": K, "sessionKey": "A"})["op"] == "granted"
+        assert d.queue(K)["affinity"] == {"switchCost": "cheap", "returns": 0, "kept": None}
+        assert p.ask(usage("A", 5, 0))["switchCost"] == "cheap"
+
+
+# -- Client sessions --------------------------------------------------------------------------------
+
+
+def teach(client: lq.Client, kept: bool, key: str = K) -> None:
+    """Two other sessions take turns: the second of A's reports finds its context kept or not."""
+    client.status()  # connected (usage is never sent without a connection: it never blocks)
+    client.usage(key, "teach-A", 1000, 0)
+    client.usage(key, "teach-B", 1000, 0)
+    client.usage(key, "teach-A", 10, 1000 if kept else 0)
+    want = "cheap" if kept else "dear"
+    wait_for(lambda: client.switch_cost(key) == want)
+
+
+def hand_over_delay(d: DaemonProc, client: lq.Client) -> float:
+    """A subagent session makes a request while another waits: the seconds from the request's
+    end to the waiter's grant, the session staying in its run (a tool call) meanwhile."""
+    s = client.session(K, "sub1", "child", grace_ms=4000)
+    with s.run():
+        with s.request():
+            other = grant_after(client, "sub2", "child")
+            wait_for(lambda: d.waiting(K) == ["sub2"])
+        ended = time.monotonic()
+        other.join(6.0)
+        waited = time.monotonic() - ended
+        assert not other.is_alive()
+        other.lease.release()
+    return waited
+
+
+def test_where_switches_are_cheap_a_subagent_hands_over_at_the_end_of_each_request() -> None:
+    for d in started():
+        with client_of(d) as client:
+            teach(client, kept=True)
+            assert hand_over_delay(d, client) < SOON  # not the 4 s grace a first gap would keep
+
+
+def test_where_switches_are_dear_it_keeps_its_slot_across_the_tool_call() -> None:
+    for d in started():
+        with client_of(d) as client:
+            teach(client, kept=False)
+            assert hand_over_delay(d, client) > 3.0  # before its first gap: the whole 4 s grace
+
+
+def test_a_client_knows_nothing_before_a_report() -> None:
+    c = lq.Client(short_tmpdir(), autostart=False)
+    try:
+        assert c.switch_cost(K) == "unknown"
+    finally:
+        c.close()
+
+
+# -- the proxy --------------------------------------------------------------------------------------
+
+
+def test_the_proxy_hands_over_after_a_tool_call_where_switches_are_cheap_but_a_named_parent_keeps_its_rule(
+) -> None:
+    for d in started():
+        with client_of(d) as client:
+            proxy = lq.Proxy("http://127.0.0.1:9", client=client, listen=("127.0.0.1", 0), grace_ms=3000)
+            threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True).start()
+            try:
+                sub = proxy.begin("sub", "child")
+                proxy.end("sub", ok=True, ending="length")
+                parent = proxy.begin("main", "parent", interactive=True)
+                proxy.end("main", ok=True, ending="length")
+                assert proxy.hold_window(sub, "tool") == 3.0  # unknown: kept through the grace
+                teach(client, kept=True, key=proxy.queue_key)
+                assert proxy.hold_window(sub, "tool") == 0.0
+                assert proxy.hold_window(sub, None) == 0.0
+                assert proxy.hold_window(parent, "tool") == 3.0  # the person's session keeps its rule
+                assert proxy.hold_window(parent, None) is None
+            finally:
+                proxy.shutdown()
+
+
+# -- what it buys, in the KV-cache simulator ---------------------------------------------------------
+
+
+def subagents_take_turns(sim: KVSim, d: DaemonProc, kept_before: bool) -> Dict[str, float]:
+    """Two subagents, each a run of 3 requests with 0.4 s tool calls between them, at once;
+    before them the queue learns from another pair of sessions.  The simulator's prefill, and how
+    long the slot was held while the other waited and nothing streamed (from the daemon's log)."""
+    with client_of(d) as client:
+        access = agents.ClientAccess(sim.url, client)
+        work = agents.Workload(system_tokens=300, task_tokens=20, reply_tokens=8, tool_tokens=60, tool_s=0.4,
+                               children=2, child_requests=3, parent_before=0)
+        # the lesson: two throwaway conversations through the same server and queue
+        lock = threading.Lock()
+        lesson: List[agents.Record] = []
+        teachers = [agents.Agent(f"t{i}", "child", work, "teach", 0, lesson, lock) for i in range(2)]
+        for agent in teachers + teachers[:1]:
+            agent.requests(access, 1)
+        want = "cheap" if kept_before else "dear"
+        wait_for(lambda: client.switch_cost(access.queue_key) == want, timeout=10)
+        before = sim.totals()["prompt_n"]
+        result: List[agents.Record] = []
+        runners = [agents.Agent(f"s{i}", "child", work, "run", 0, result, lock) for i in range(2)]
+
+        def job(agent: agents.Agent) -> None:
+            agent.requests(access, work.child_requests)
+
+        threads = [threading.Thread(target=job, args=(a,)) for a in runners]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(r.ok for r in result) and len(result) == 6
+    with open(d.config_path) as f:
+        log = json.load(f)["defaults"]["logFile"]
+    events = wait_for(lambda: os.path.exists(log) and lq.read_event_log([log]))
+    dead, _ = agents.dead_time(events, result)
+    oracle = agents.figures(agents.RunResult(result, 0.0, 0.0, 0.0), None)["oracle"]
+    return {"prefill": sim.totals()["prompt_n"] - before, "oracle": oracle, "dead": dead}
+
+
+@pytest.fixture
+def logged() -> Iterator[DaemonProc]:
+    log = os.path.join(short_tmpdir(), "events.log")
+    yield from started(config={"defaults": {"logFile": log}})
+
+
+def test_sim_where_the_server_keeps_every_context_subagents_take_turns_at_tool_calls_for_free(
+        logged: DaemonProc) -> None:
+    sim = KVSim(slots=1, slot_ctx=4096, host_cache_tokens=20000, prefill_ms=0.05, decode_ms=0.3)
+    try:
+        got = subagents_take_turns(sim, logged, kept_before=True)
+    finally:
+        sim.close()
+    assert got["prefill"] <= 1.1 * got["oracle"], got  # every switch restored from the host cache
+    # Nobody stood behind a tool call: 4 tool calls of 0.4 s, one each side, would be 0.8 s or more.
+    assert got["dead"] < 0.4, got
+
+
+def test_sim_where_it_keeps_none_subagents_hold_their_slot_across_tool_calls(logged: DaemonProc) -> None:
+    sim = KVSim(slots=1, slot_ctx=4096, host_cache_tokens=0, prefill_ms=0.05, decode_ms=0.3)
+    try:
+        got = subagents_take_turns(sim, logged, kept_before=False)
+    finally:
+        sim.close()
+    assert got["prefill"] <= 1.1 * got["oracle"], got  # no context prefilled twice
