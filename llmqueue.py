@@ -124,8 +124,8 @@ POLICIES = ("priority-aging", "fifo")
 # session back on the slot after another finds its context kept, or not); "cheap" (the server
 # keeps every context: a large host cache, a slot per agent) or "dear" says it.
 SWITCH_COSTS = ("auto", "cheap", "dear")
-KEPT_CHEAP = 0.8  # the mean share of their context that sessions back after a switch find kept
-KEPT_SAMPLES = 4  # the returns that mean covers: the most recent ones
+KEPT_CHEAP = 0.8  # the share of its context each session back after a switch must find kept
+KEPT_SAMPLES = 4  # the most recent returns that must all have (at least 2 of them)
 
 DEFAULT_BLOCKING_TOOLS = (
     "subagent",
@@ -726,6 +726,7 @@ class Holder:
     __slots__ = (
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
         "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
+        "idle_since", "dead_ms",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
@@ -745,6 +746,10 @@ class Holder:
         self.held = True
         self.parked = False  # its client waits on another agent: the slot goes to any waiter at once
         self.json = _who_json(session, role, group)  # its entry in status replies
+        # Dead time: since when it has had no request in flight (``busy: false``, or parked), and
+        # the time it held the slot so while someone waited for it.
+        self.idle_since: Optional[float] = None
+        self.dead_ms = 0.0
 
     @property
     def expires_at(self) -> float:
@@ -869,14 +874,19 @@ class Usage(NamedTuple):
 def switch_cost(kept: Sequence[float], setting: str = "auto") -> str:
     """What a switch costs on a queue: its ``switchCost`` setting, or (``auto``) learned from the
     share of their context that sessions back on the slot after another found kept (the server's
-    own counts): ``cheap`` when the most recent ones kept at least ``KEPT_CHEAP`` on average,
-    ``dear`` when not, ``unknown`` before any session came back."""
+    own counts): ``cheap`` when each of the most recent ``KEPT_SAMPLES`` kept at least
+    ``KEPT_CHEAP`` (and at least two came back), ``dear`` when one of them did not, ``unknown``
+    before any session came back.  One eviction among them is enough for ``dear``: a server
+    that keeps most contexts but not all (a host cache that holds two agents of four) evicts
+    more once the queue hands over at every tool call, so ``cheap`` must be earned in a row."""
     if setting != "auto":
         return setting
     recent = list(kept)[-KEPT_SAMPLES:]
     if not recent:
         return "unknown"
-    return "cheap" if sum(recent) / len(recent) >= KEPT_CHEAP else "dear"
+    if min(recent) < KEPT_CHEAP:
+        return "dear"
+    return "cheap" if len(recent) >= 2 else "unknown"
 
 
 class _Affinity:
@@ -907,7 +917,18 @@ class _Affinity:
         return kept
 
 
-Event = Union[Granted, Queued, Dequeued, Released, Evicted, Moved, OverCapacity, Usage]
+class Dead(NamedTuple):
+    """A holder's dead spell, at its end: ``ms`` of it the slot was held with no request of the
+    holder in flight (it said ``busy: false``, or parked, or went silent until an idle yield)
+    while someone waited for the queue."""
+
+    queue_key: str
+    session: str
+    role: int
+    ms: float
+
+
+Event = Union[Granted, Queued, Dequeued, Released, Evicted, Moved, OverCapacity, Usage, Dead]
 
 
 class _Queue:
@@ -918,7 +939,7 @@ class _Queue:
     __slots__ = (
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
-        "evictions",
+        "evictions", "dead_ms", "dead_by_session",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -940,6 +961,8 @@ class _Queue:
         self.idle_yields = 0
         self.park_yields = 0
         self.evictions = 0
+        self.dead_ms = 0.0  # held with no request in flight while someone waited (closed spells)
+        self.dead_by_session: OrderedDict[str, float] = OrderedDict()  # the same, the last 64 sessions
 
     def held(self) -> int:
         return len(self.holders) + len(self.extra)
@@ -1016,6 +1039,7 @@ class Scheduler:
         # apart from the queues, which are forgotten when empty; the oldest keys go past 4096
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
         self._affinity: OrderedDict[str, _Affinity] = OrderedDict()  # the same, for switch costs
+        self._spells: list[Dead] = []  # dead spells ended, not yet taken (``take_dead``)
         self._forgettable: OrderedDict[str, None] = OrderedDict()  # empty, unconfigured queues
         self._seq = 0  # waiter enqueue order, scheduler-wide
         # Grant numbers, scheduler-wide: so per queue they only grow, even for a queue that was
@@ -1090,7 +1114,7 @@ class Scheduler:
         if q is None or holder is None:
             return []
         events: list[Event] = []
-        self._drop_lease(holder, Released(q.key, holder, reason), events)
+        self._drop_lease(holder, Released(q.key, holder, reason), events, now)
         self._refill(q, now, events)
         self._settle(q)
         return events
@@ -1158,14 +1182,20 @@ class Scheduler:
         holder = q.holder_for(key, session) if q else None
         return holder is not None and holder.role == CHILD and q is not None and q.head(PARENT) is not None
 
-    def beat(self, key: str, session: str, *, now: float) -> bool:
+    def beat(self, key: str, session: str, *, now: float, busy: Optional[bool] = None) -> bool:
         """A keyed activity beat: refresh that lease's TTL and activity.  False means the session
-        holds no slot there (released, yielded, evicted): the client must re-queue."""
+        holds no slot there (released, yielded, evicted): the client must re-queue.  ``busy``
+        (additive): whether a request of the holder is in flight; False starts an idle spell,
+        the time of which someone waits is dead time (``status``, the log's releases)."""
         q = self._find(key)
         holder = q.holder_for(key, session) if q else None
         if holder is None:
             return False
         self._refresh(holder, now, activity=True)
+        if busy is True:
+            self._busy(holder, now)
+        elif busy is False:
+            self._idle(holder, now)
         return True
 
     def park(self, key: str, session: str, *, now: float) -> tuple[bool, list[Event]]:
@@ -1180,6 +1210,7 @@ class Scheduler:
         self._refresh(holder, now, activity=False)
         holder.parked = True
         q.parked[holder] = None
+        self._idle(holder, now)
         events: list[Event] = []
         self._refill(q, now, events)
         return holder.held, events
@@ -1199,7 +1230,7 @@ class Scheduler:
             holder.conns.discard(conn)
             if not holder.conns and holder.held:
                 touched.append(holder.queue)
-                self._drop_lease(holder, Released(holder.queue.key, holder, reason), events)
+                self._drop_lease(holder, Released(holder.queue.key, holder, reason), events, now)
         for q in touched:
             self._refill(q, now, events)
         for q in touched:
@@ -1236,7 +1267,7 @@ class Scheduler:
                 continue
             q = holder.queue
             q.evictions += 1
-            self._drop_lease(holder, Evicted(q.key, holder), events)
+            self._drop_lease(holder, Evicted(q.key, holder), events, now)
             self._refill(q, now, events)
             touched.append(q)
         heap = self._idle_heap
@@ -1254,7 +1285,8 @@ class Scheduler:
             while q.waiting and q.idle:
                 holder = next(iter(q.idle))
                 q.idle_yields += 1
-                self._drop_lease(holder, Released(q.key, holder, "idle"), events)
+                holder.idle_since = min(holder.idle_since or holder.last_activity, holder.last_activity)
+                self._drop_lease(holder, Released(q.key, holder, "idle"), events, now)
                 self._fill(q, now, events)
             touched.append(q)
         self._idle_due.clear()
@@ -1365,7 +1397,10 @@ class Scheduler:
                 "idleYields": q.idle_yields,
                 "parkYields": q.park_yields,
                 "ttlEvictions": q.evictions,
+                "deadMs": round(q.dead_ms),
             }
+            if q.dead_by_session:  # additive: which sessions held it so
+                head["deadMsBySession"] = {s: round(ms) for s, ms in q.dead_by_session.items()}
             tokens = self._tokens.get(q.key)
             if tokens is not None:  # additive: only once a usage op reported for the queue
                 head["tokens"] = {"prefilled": tokens[0], "reused": tokens[1], "requests": tokens[2]}
@@ -1448,6 +1483,7 @@ class Scheduler:
             if holder.parked:  # work resumed
                 holder.parked = False
                 q.parked.pop(holder, None)
+                self._busy(holder, now)
             if holder in q.idle:  # it spoke: no longer yieldable until its window passes again
                 del q.idle[holder]
                 idle_at = holder.idle_at
@@ -1487,7 +1523,40 @@ class Scheduler:
             q.bury(w.role)
         self._unlink_waiter(w)
 
-    def _drop_lease(self, holder: Holder, event: Event, events: list[Event]) -> None:
+    def _idle(self, holder: Holder, now: float) -> None:
+        """The holder has no request in flight from ``now`` (it said so, or it parked)."""
+        if holder.idle_since is None:
+            holder.idle_since = now
+
+    def _busy(self, holder: Holder, now: float) -> None:
+        """The holder's idle spell ends at ``now``: the part of it during which someone waited
+        for the queue (since the oldest waiter now queued came) is dead time, its and the
+        queue's.  A waiter that came and went inside the spell is not seen: a bound from below."""
+        since = holder.idle_since
+        if since is None:
+            return
+        holder.idle_since = None
+        q = holder.queue
+        heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD)) if w is not None]
+        if not heads:
+            return
+        dead = now - max(since, min(heads))
+        if dead > 0:
+            holder.dead_ms += dead
+            q.dead_ms += dead
+            q.dead_by_session[holder.session] = q.dead_by_session.pop(holder.session, 0.0) + dead
+            while len(q.dead_by_session) > 64:
+                q.dead_by_session.popitem(last=False)
+            if dead >= 1 and len(self._spells) < 4096:  # the caller drains them after every call
+                self._spells.append(Dead(q.key, holder.session, holder.role, dead))
+
+    def take_dead(self) -> list[Event]:
+        """The dead spells that ended since the last call (for the event log)."""
+        spells, self._spells = self._spells, []
+        return list(spells)
+
+    def _drop_lease(self, holder: Holder, event: Event, events: list[Event], now: float) -> None:
+        self._busy(holder, now)  # before a waiter is granted: it waited until now
         holder.held = False
         self._held -= 1
         q = holder.queue
@@ -1532,7 +1601,7 @@ class Scheduler:
         while q.waiting and q.parked and (limit is None or q.held() <= limit):
             holder = next(iter(q.parked))
             q.park_yields += 1
-            self._drop_lease(holder, Released(q.key, holder, "parked"), events)
+            self._drop_lease(holder, Released(q.key, holder, "parked"), events, now)
             self._fill(q, now, events)
 
     def _pick(self, q: _Queue, now: float) -> Optional[Waiter]:
@@ -1598,6 +1667,7 @@ class Request(NamedTuple):
     resume: bool = False  # additive, on acquire: a child handing back to a parent queues again first
     prefilled: Optional[int] = None  # additive, the usage op: prompt tokens the server computed
     reused: Optional[int] = None  # ... and those it served from its cache
+    busy: Optional[bool] = None  # additive, on a keyed renew: whether a request is in flight
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -1669,6 +1739,9 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     resume = msg.get("resume")
     if resume is not None and not isinstance(resume, bool):
         raise ProtocolError(f"resume must be true or false (got {_show(resume)})")
+    busy = msg.get("busy")
+    if busy is not None and not isinstance(busy, bool):
+        raise ProtocolError(f"busy must be true or false (got {_show(busy)})")
     if op in _KEYED_OPS and queue_key is None:
         raise ProtocolError(f"{op} requires queueKey")
     if op == "role" and role is None:
@@ -1685,7 +1758,7 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     if op == "usage" and counts == [None, None]:
         raise ProtocolError("usage requires prefilled or reused")
     return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume),
-                   counts[0], counts[1])
+                   counts[0], counts[1], busy)
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -1716,10 +1789,13 @@ def encode_usage(key: str, session: Optional[str], cost: str) -> bytes:
     return encode_released(key, session)[:-2] + f',"switchCost":{_json_str(cost)}}}\n'.encode()
 
 
-def encode_beat(key: str, session: str, granted: bool, parent_waiting: bool = False) -> bytes:
+def encode_beat(key: str, session: str, granted: bool, parent_waiting: bool = False,
+                busy: Optional[bool] = None) -> bytes:
     """The reply to a keyed ``renew``; ``parentWaiting`` (additive, only when true): a child's
-    slot is wanted by a parent."""
+    slot is wanted by a parent; ``busy`` (additive) echoes the renew's own."""
     hint = ',"parentWaiting":true' if parent_waiting else ""
+    if busy is not None:
+        hint += ',"busy":true' if busy else ',"busy":false'
     return (f'{{"op":"ok","queueKey":{_json_str(key)},"sessionKey":{_json_str(session)},'
             f'"granted":{"true" if granted else "false"}{hint}}}\n').encode()
 
@@ -1741,6 +1817,9 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
         who = event.who
         return [{"event": "move", "queueKey": event.queue_key, "from": event.source, "sessionKey": who.session,
                  "role": ROLES[who.role], "what": "holder" if isinstance(who, Holder) else "waiter"}]
+    if isinstance(event, Dead):
+        return [{"event": "dead", "queueKey": event.queue_key, "sessionKey": event.session,
+                 "role": ROLES[event.role], "ms": round(event.ms)}]
     if isinstance(event, Usage):
         line: dict[str, Any] = {"event": "usage", "queueKey": event.queue_key, "sessionKey": event.session,
                                 "prefilled": event.prefilled, "reused": event.reused}
@@ -1750,7 +1829,7 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
             line["kept"] = round(event.kept, 3)
         return [line]
     holder = event.holder
-    base = {"queueKey": event.queue_key, "sessionKey": holder.session, "role": ROLES[holder.role]}
+    base: dict[str, Any] = {"queueKey": event.queue_key, "sessionKey": holder.session, "role": ROLES[holder.role]}
     if isinstance(event, Granted):
         if not event.new:
             return []
@@ -2207,9 +2286,9 @@ class Daemon:
                 self._apply(events)  # the handoff goes out first
                 self._send(c, encode_beat(req.queue_key, session, granted))
             else:
-                granted = sched.beat(req.queue_key, session, now=now)
+                granted = sched.beat(req.queue_key, session, now=now, busy=req.busy)
                 self._send(c, encode_beat(req.queue_key, session, granted,
-                                          granted and sched.parent_waits(req.queue_key, session)))
+                                          granted and sched.parent_waits(req.queue_key, session), req.busy))
         elif op == "cancel":
             assert req.queue_key is not None
             self._apply(sched.cancel(req.queue_key, session, now=now))
@@ -2226,9 +2305,16 @@ class Daemon:
         elif op == "bye":  # spec (#63): disconnected now, though the socket stays open
             self._apply(sched.disconnect(c, now=now))
             self._uncount(c)
+        if sched._spells:
+            self._apply(sched.take_dead())
 
     def _apply(self, events: list[Event]) -> None:
-        """Replies and log lines from the same events, so the two cannot disagree."""
+        """Replies and log lines from the same events, so the two cannot disagree.  Dead spells
+        that ended in the same call are logged first: they end while their holder still holds."""
+        spells = self.scheduler.take_dead()
+        if spells and self.config.log_file:
+            for spell in spells:
+                self._log_lines.extend(_event_record(spell))
         for event in events:
             if isinstance(event, Granted):
                 for conn, key in event.targets:
@@ -2294,6 +2380,7 @@ class Daemon:
             pass
         c.sock.close()
         self._apply(self.scheduler.disconnect(c, now=self._now))
+        self._apply(self.scheduler.take_dead())
         self._uncount(c)
 
     # -- idle-exit --------------------------------------------------------------------------------
@@ -2377,6 +2464,7 @@ class Daemon:
             del self._timers[name]
             if name == "sweep":
                 self._apply(self.scheduler.sweep(now=self._now))
+                self._apply(self.scheduler.take_dead())
             elif name == "poll":
                 self._poll_config()
                 self._arm("poll", self._grid(self._now, self._poll_ms()))
@@ -2881,7 +2969,7 @@ class Client:
                     for lease in self._leases.get(self._owner(*key), ()):
                         if lease.queued:
                             lease.lost = True
-                waiting = self._beats.get(key)
+                waiting = None if "busy" in reply else self._beats.get(key)  # a busy mark waits for nothing
                 if waiting:
                     waiting.pop(0).resolve(reply)
                     if not waiting:
@@ -3485,7 +3573,15 @@ class Session:
                 self.client._give_back(lease)
                 lease.ensure(timeout)
         self._served = lease.seq
+        self._mark(lease, True)
         return lease
+
+    def _mark(self, lease: Lease, busy: bool) -> None:
+        """Tell the daemon whether a request is in flight on the slot (a keyed renew with
+        ``busy``): the time it is held with none while someone waits is dead time."""
+        if lease.queued and not lease.released:
+            self.client._quietly({"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key,
+                                  "busy": busy})
 
     def _after_request(self) -> None:
         """A subagent's request ended (nothing of it streams now): one beat asks whether a parent
@@ -3494,6 +3590,7 @@ class Session:
         lease = self.lease
         if lease is None or not lease.held or lease.released:
             return
+        self._mark(lease, False)
         with self._lock:
             self._gap_turn += 1
             token = self._gap_turn
@@ -4140,6 +4237,9 @@ class Proxy:
         if ps.own:
             ps.session.close()
         elif ok:
+            lease = ps.session.lease
+            if lease is not None and lease.held:
+                ps.session._mark(lease, False)  # nothing of the session streams now
             ps.session.settle(park_after=self.hold_window(ps, ending))
             # Forget the session once its grace has let the slot go (and no request came).
             self.client.call_later(self.grace_ms / 1000.0 + 1.0, lambda: self._forget(key, ps))
@@ -4429,7 +4529,7 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if q is None:
             q = queues[key] = {"holds": [], "waits": [], "open": {}, "waiting": {}, "switches": [],
                                "idle": [], "parked": [], "evictions": [], "config": [], "grants": [],
-                               "sessions": {}, "usage": [], "switch_seqs": set(), "kept": []}
+                               "sessions": {}, "usage": [], "switch_seqs": set(), "kept": [], "dead": []}
         kind, t = e["event"], e["t"]
         if kind == "config":
             q["config"].append(t)
@@ -4449,6 +4549,11 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if kind == "switch":
             q["switches"].append((t, session))
             q["switch_seqs"].add(e.get("seq"))
+            continue
+        if kind == "dead":
+            ms = e.get("ms")
+            if isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms > 0:
+                q["dead"].append((t, session, float(ms)))
             continue
         if kind == "usage":
             prefilled, reused = e.get("prefilled"), e.get("reused")
@@ -4549,6 +4654,10 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
             tokens["returns"] = {"requests": len(kept),
                                  "meanKept": round(sum(kept) / len(kept), 3) if kept else None,
                                  "switchCost": switch_cost(kept)}
+        dead_session: dict[str, float] = {}
+        for t, session, ms in q["dead"]:
+            if inside(t):
+                dead_session[session] = dead_session.get(session, 0.0) + ms
         out["queues"][key] = {
             "grants": count(q["grants"]),
             "switches": switches,
@@ -4564,6 +4673,10 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
             "overCapacityReloads": count(q["config"]),
             "utilisation": round(busy / span, 4),
             "meanHolders": round(sum(held_tier.values()) / span, 3),
+            # held with no request in flight while someone waited (clients that say ``busy``),
+            # counted at each hold's end
+            "deadMs": round(sum(dead_session.values())),
+            "deadMsBySession": {s: round(ms) for s, ms in sorted(dead_session.items(), key=lambda kv: -kv[1])},
         }
         if tokens is not None:
             out["queues"][key]["tokens"] = tokens
@@ -4629,6 +4742,14 @@ def format_report(report: dict[str, Any]) -> str:
         shown = ", ".join(f"{s} {_duration(ms)}" for s, ms in top[:8])
         more = f", and {len(top) - 8} more" if len(top) > 8 else ""
         out.append(f"  held by session: {shown}{more}")
+        if r["deadMs"]:
+            held_ms = sum(r["heldMs"].values())
+            share = f" ({r['deadMs'] / held_ms * 100:.0f}% of the time held)" if held_ms else ""
+            top = list(r["deadMsBySession"].items())
+            shown = ", ".join(f"{s} {_duration(ms)}" for s, ms in top[:8])
+            more = f", and {len(top) - 8} more" if len(top) > 8 else ""
+            out.append(f"  dead time: {_duration(r['deadMs'])} held with no request in flight while someone "
+                       f"waited{share}: {shown}{more}")
         tokens = r.get("tokens")
         if tokens:
             out.append(f"  tokens: {tokens['requests']} requests prefilled {tokens['prefilled']:,} and reused "
@@ -4648,7 +4769,7 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-_SVG_COLORS = {"parent": "#2563eb", "child": "#ea580c", "wait": "#9ca3af",
+_SVG_COLORS = {"parent": "#2563eb", "child": "#ea580c", "wait": "#9ca3af", "dead": "#dc2626",
                "switch": "#111827", "idle": "#7c3aed", "ttl": "#dc2626"}
 
 
@@ -4734,6 +4855,14 @@ def render_svg(events: list[dict[str, Any]], since: Optional[float] = None, unti
             tip = f"<title>{escape(label)}</title>" if bar_w >= 3 else ""  # only where one can point
             body.append(f'<rect class="hold {role}" x="{a:.1f}" y="{ly + 2}" width="{bar_w:.1f}" '
                         f'height="{lane_h - 5}">{tip}</rect>')
+        for t, session, ms in q["dead"]:  # on the holder's bar: held, nothing in flight, someone waiting
+            a, b = x(t - ms / 1000.0), x(t)
+            if b < left or t - ms / 1000.0 > stop:
+                continue
+            ly = lane_y(session)
+            body.append(f'<rect class="dead" x="{a:.1f}" y="{ly + 2}" width="{max(b - a, 1.0):.1f}" '
+                        f'height="{lane_h - 5}"><title>{escape(session)}: dead {_duration(ms)} '
+                        f'(held, nothing in flight, someone waiting)</title></rect>')
         last_mark: dict[tuple[str, int], float] = {}  # markers closer than 3 px in a lane: one
 
         def crowded(kind: str, ly: int, at: float) -> bool:
@@ -4778,6 +4907,7 @@ def render_svg(events: list[dict[str, Any]], since: Optional[float] = None, unti
     legend = []
     lx = left
     for label, cls, shape in (("parent holds", "hold parent", "rect"), ("child holds", "hold child", "rect"),
+                              ("dead time", "dead", "rect"),
                               ("waiting", "wait", "line"), ("switch", "mark switch", "diamond"),
                               ("idle yield", "mark idle", "circle"), ("TTL eviction", "mark ttl", "cross")):
         if shape == "rect":
@@ -4801,6 +4931,7 @@ def render_svg(events: list[dict[str, Any]], since: Optional[float] = None, unti
         f".wait{{stroke:{_SVG_COLORS['wait']};stroke-width:2}}.switch{{fill:{_SVG_COLORS['switch']}}}"
         f".switch-tick{{stroke:{_SVG_COLORS['switch']};stroke-width:1}}"
         f".idle{{fill:{_SVG_COLORS['idle']}}}.ttl{{stroke:{_SVG_COLORS['ttl']};stroke-width:2;fill:none}}"
+        f".dead{{fill:{_SVG_COLORS['dead']};fill-opacity:0.55}}"
     )
     return "\n".join([
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '

@@ -31,7 +31,9 @@ def agent(agent_dir: str, name: str, role: str, turns: int, think: float, work: 
     session = client.session(KEY, name, role=role, grace_ms=400)
     for turn in range(turns):
         with session.run():
-            for _ in range(rng.randint(1, 3)):
+            for i in range(rng.randint(1, 3)):
+                if i:
+                    time.sleep(work * rng.uniform(0.3, 0.8))  # a tool call: the slot kept, nothing in flight
                 with session.request():
                     time.sleep(work * rng.uniform(0.5, 1.5))  # streaming
             if name == "main" and turn == 2:

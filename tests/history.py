@@ -672,6 +672,14 @@ class HistoryChecker:
                     r.add("consistency", key, f"a move of waiter {session}, which waits for nothing there", at)
                     return
                 q.waiting.setdefault(session, w)
+        elif event == "dead":  # a holder's spell with nothing in flight while someone waited
+            if session not in q.holders:
+                r.add("consistency", key, f"dead time of {session}, which holds nothing there", at)
+            ms = line.get("ms")
+            if not isinstance(ms, int) or isinstance(ms, bool) or ms <= 0:
+                r.add("consistency", key, f"a dead spell of {ms!r} ms", at)
+        elif event == "usage":
+            pass  # token counts: no scheduling state
         else:
             r.add("consistency", key, f"unknown event {event!r}", at)
 

@@ -44,12 +44,15 @@ def usage(session: str, prefilled: int, reused: int, key: str = K) -> Dict[str, 
 # -- the pure core ------------------------------------------------------------------------------
 
 
-def test_the_verdict_is_the_mean_of_the_latest_returns_or_the_setting() -> None:
+def test_cheap_takes_the_latest_returns_all_kept_and_one_eviction_among_them_is_dear() -> None:
     assert lq.switch_cost([]) == "unknown"
-    assert lq.switch_cost([1.0, 0.9, 0.7]) == "cheap"  # mean 0.87
-    assert lq.switch_cost([1.0, 0.5]) == "dear"  # mean 0.75
+    assert lq.switch_cost([1.0]) == "unknown"  # one return is not yet a pattern
+    assert lq.switch_cost([0.0]) == "dear"  # but one eviction is a cost already paid
+    assert lq.switch_cost([1.0, 0.9, 0.8]) == "cheap"
+    assert lq.switch_cost([1.0, 1.0, 1.0, 0.7]) == "dear"  # the mean (0.93) does not hide it
     # only the latest KEPT_SAMPLES count: a server whose cache grew is learned again
     assert lq.switch_cost([0.0] * 10 + [1.0] * lq.KEPT_SAMPLES) == "cheap"
+    assert lq.switch_cost([0.0] + [1.0] * (lq.KEPT_SAMPLES - 1)) == "dear"  # still among the latest
     assert lq.switch_cost([1.0] * 10 + [0.0] * lq.KEPT_SAMPLES) == "dear"
     assert lq.switch_cost([1.0], "dear") == "dear" and lq.switch_cost([0.0], "cheap") == "cheap"
     assert lq.switch_cost([], "cheap") == "cheap"
@@ -63,9 +66,11 @@ def test_a_return_after_another_sessions_report_is_sampled_and_a_report_in_a_row
     assert again.kept is None and again.switch_cost == "unknown"
     assert s.usage(K, "B", 800, 0).kept is None  # a new session: nothing to keep
     back = s.usage(K, "A", 60, 1050)  # A's previous prompt was 1,050 tokens: all of it kept
-    assert back.kept == 1.0 and back.switch_cost == "cheap"
-    evicted = s.usage(K, "B", 900, 4)  # B's 800 were evicted meanwhile
-    assert evicted.kept == pytest.approx(4 / 800) and evicted.switch_cost == "dear"  # mean 0.5
+    assert back.kept == 1.0 and back.switch_cost == "unknown"  # one return
+    again = s.usage(K, "B", 20, 800)  # B's 800, kept too
+    assert again.kept == 1.0 and again.switch_cost == "cheap"
+    evicted = s.usage(K, "A", 1200, 4)  # A's 1,110 were evicted meanwhile
+    assert evicted.kept == pytest.approx(4 / 1110) and evicted.switch_cost == "dear"
     # Queues learn apart: another endpoint's sessions tell nothing about this one.
     assert s.usage("http://127.0.0.1:8002/v1", "C", 10, 0).switch_cost == "unknown"
 
@@ -94,17 +99,18 @@ def test_the_usage_reply_status_and_log_say_what_a_switch_costs() -> None:
         assert "affinity" not in d.queue(K) if d.status() else True  # additive: absent until a report
         assert p.ask(usage("A", 1000, 0))["switchCost"] == "unknown"
         assert p.ask(usage("B", 1000, 0))["switchCost"] == "unknown"
-        assert p.ask(usage("A", 20, 1000)) == {"op": "ok", "queueKey": K, "sessionKey": "A", "switchCost": "cheap"}
+        assert p.ask(usage("A", 20, 1000)) == {"op": "ok", "queueKey": K, "sessionKey": "A", "switchCost": "unknown"}
+        assert p.ask(usage("B", 20, 1000))["switchCost"] == "cheap"  # two returns, both kept
         assert p.ask({"op": "acquire", "queueKey": K, "sessionKey": "B"})["op"] == "granted"
-        assert d.queue(K)["affinity"] == {"switchCost": "cheap", "returns": 1, "kept": 1.0}
-        assert p.ask(usage("B", 1000, 0))["switchCost"] == "dear"  # B's 1,000 all gone: mean 0.5
-        assert d.queue(K)["affinity"] == {"switchCost": "dear", "returns": 2, "kept": 0.5}
-        lines = wait_for(lambda: [e for e in log_lines(log) if e["event"] == "usage"][3:] or None)
+        assert d.queue(K)["affinity"] == {"switchCost": "cheap", "returns": 2, "kept": 1.0}
+        assert p.ask(usage("A", 1020, 0))["switchCost"] == "dear"  # A's 1,020 all gone
+        assert d.queue(K)["affinity"] == {"switchCost": "dear", "returns": 3, "kept": 0.667}
+        lines = wait_for(lambda: [e for e in log_lines(log) if e["event"] == "usage"][4:] or None)
         kept = [e.get("kept") for e in log_lines(log) if e["event"] == "usage"]
-        assert kept == [None, None, 1.0, 0.0] and lines
+        assert kept == [None, None, 1.0, 1.0, 0.0] and lines
         report = lq.build_report(lq.read_event_log([log]))
-        assert report["queues"][K]["tokens"]["returns"] == {"requests": 2, "meanKept": 0.5, "switchCost": "dear"}
-        assert "back after a switch: 2 requests found 50% of their context kept: switches are dear" in \
+        assert report["queues"][K]["tokens"]["returns"] == {"requests": 3, "meanKept": 0.667, "switchCost": "dear"}
+        assert "back after a switch: 3 requests found 67% of their context kept: switches are dear" in \
             lq.format_report(report)
 
 
@@ -125,6 +131,7 @@ def teach(client: lq.Client, kept: bool, key: str = K) -> None:
     client.usage(key, "teach-A", 1000, 0)
     client.usage(key, "teach-B", 1000, 0)
     client.usage(key, "teach-A", 10, 1000 if kept else 0)
+    client.usage(key, "teach-B", 10, 1000 if kept else 0)
     want = "cheap" if kept else "dear"
     wait_for(lambda: client.switch_cost(key) == want)
 
@@ -206,7 +213,7 @@ def subagents_take_turns(sim: KVSim, d: DaemonProc, kept_before: bool) -> Dict[s
         lock = threading.Lock()
         lesson: List[agents.Record] = []
         teachers = [agents.Agent(f"t{i}", "child", work, "teach", 0, lesson, lock) for i in range(2)]
-        for agent in teachers + teachers[:1]:
+        for agent in teachers + teachers:
             agent.requests(access, 1)
         want = "cheap" if kept_before else "dear"
         wait_for(lambda: client.switch_cost(access.queue_key) == want, timeout=10)
