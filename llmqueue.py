@@ -1267,6 +1267,8 @@ class Scheduler:
                 continue
             q = holder.queue
             q.evictions += 1
+            # a frozen or dead client: nothing of it was in flight since its last heartbeat
+            holder.idle_since = min(holder.idle_since or holder.last_beat, holder.last_beat)
             self._drop_lease(holder, Evicted(q.key, holder), events, now)
             self._refill(q, now, events)
             touched.append(q)

@@ -1,6 +1,6 @@
 """The scripted workload behind docs/timeline.svg: a parent and three subagents sharing one GPU
-(maxStreams 1), the parent parked on a subagent long enough to be idle-yielded, and a client
-that dies holding the slot (evicted when its TTL lapses).
+(maxStreams 1), with tool calls between requests, the parent parked on a subagent (its slot
+handed over at once), and a client that dies holding the slot (evicted when its TTL lapses).
 
     python3 docs/timeline-demo.py /tmp/demo.log
     python3 llmqueue.py report /tmp/demo.log --svg docs/timeline.svg

@@ -142,3 +142,13 @@ def test_client_sessions_say_busy_so_a_tool_gap_someone_waits_through_shows_in_s
         assert "dead time: " in text and "sub1" in text.split("dead time: ")[1].splitlines()[0]
         svg = lq.render_svg(events)
         assert svg.count('class="dead"') >= 2  # the legend's swatch, and the mark on sub1's bar
+
+
+def test_a_frozen_holder_is_dead_from_its_last_heartbeat_to_its_eviction() -> None:
+    for d in started(config={"defaults": {"leaseTtlMs": 1000}}, sweep_ms=50):
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"  # and never beats again
+        b.send(acquire("B"))
+        assert b.recv(5.0)["op"] == "granted"
+        assert d.queue(K)["ttlEvictions"] == 1
+        assert 900 <= d.queue(K)["deadMs"] < 1000 + 2000
