@@ -4762,7 +4762,7 @@ def format_report(report: dict[str, Any]) -> str:
                        f"({after['meanPrefilled']:,} each)")
             back = tokens.get("returns")
             if back and back["requests"]:
-                out.append(f"  back after a switch: {back['requests']} requests found {back['meanKept'] * 100:.0f}% "
+                out.append(f"  back after a switch: {back['requests']} request{'s' if back['requests'] != 1 else ''} found {back['meanKept'] * 100:.0f}% "
                            f"of their context kept: switches are {back['switchCost']}")
             rows = list(tokens["bySession"].items())
             shown = ", ".join(f"{s} {v['prefilled']:,}/{v['reused']:,}" for s, v in rows[:8])
