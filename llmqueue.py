@@ -919,8 +919,8 @@ class _Affinity:
 
 class Dead(NamedTuple):
     """A holder's dead spell, at its end: ``ms`` of it the slot was held with no request of the
-    holder in flight (it said ``busy: false``, or parked, or went silent until an idle yield)
-    while someone waited for the queue."""
+    holder in flight (it said ``busy: false``, or parked, or went silent until an idle yield
+    or a TTL eviction) while someone waited for the queue."""
 
     queue_key: str
     session: str
@@ -1186,7 +1186,7 @@ class Scheduler:
         """A keyed activity beat: refresh that lease's TTL and activity.  False means the session
         holds no slot there (released, yielded, evicted): the client must re-queue.  ``busy``
         (additive): whether a request of the holder is in flight; False starts an idle spell,
-        the time of which someone waits is dead time (``status``, the log's releases)."""
+        the time of which someone waits is dead time (``status``, the log's ``dead`` events)."""
         q = self._find(key)
         holder = q.holder_for(key, session) if q else None
         if holder is None:
