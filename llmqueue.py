@@ -2308,7 +2308,7 @@ class Daemon:
             self._apply(sched.disconnect(c, now=now))
             self._uncount(c)
         if sched._spells:
-            self._apply(sched.take_dead())
+            self._apply([])  # a beat's busy ended a dead spell: logged like any event
 
     def _apply(self, events: list[Event]) -> None:
         """Replies and log lines from the same events, so the two cannot disagree.  Dead spells
@@ -2382,7 +2382,6 @@ class Daemon:
             pass
         c.sock.close()
         self._apply(self.scheduler.disconnect(c, now=self._now))
-        self._apply(self.scheduler.take_dead())
         self._uncount(c)
 
     # -- idle-exit --------------------------------------------------------------------------------
@@ -2466,7 +2465,6 @@ class Daemon:
             del self._timers[name]
             if name == "sweep":
                 self._apply(self.scheduler.sweep(now=self._now))
-                self._apply(self.scheduler.take_dead())
             elif name == "poll":
                 self._poll_config()
                 self._arm("poll", self._grid(self._now, self._poll_ms()))
