@@ -4674,7 +4674,7 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
             "utilisation": round(busy / span, 4),
             "meanHolders": round(sum(held_tier.values()) / span, 3),
             # held with no request in flight while someone waited (clients that say ``busy``),
-            # counted at each hold's end
+            # from the log's ``dead`` events, each counted at its spell's end
             "deadMs": round(sum(dead_session.values())),
             "deadMsBySession": {s: round(ms) for s, ms in sorted(dead_session.items(), key=lambda kv: -kv[1])},
         }
@@ -4720,6 +4720,13 @@ def _duration(ms: float) -> str:
     return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
 
 
+def _by_session(ms_by_session: dict[str, Any]) -> str:
+    """The first 8 sessions of a per-session duration figure, and how many more there are."""
+    top = list(ms_by_session.items())
+    more = f", and {len(top) - 8} more" if len(top) > 8 else ""
+    return ", ".join(f"{s} {_duration(ms)}" for s, ms in top[:8]) + more
+
+
 def format_report(report: dict[str, Any]) -> str:
     if not report["queues"]:
         return "no queue events in the log\n"
@@ -4738,18 +4745,12 @@ def format_report(report: dict[str, Any]) -> str:
                        f"p95 {_duration(w['p95Ms'])}  max {_duration(w['maxMs'])}")
         if r["abandonedWaits"]:
             out.append(f"  waits abandoned (cancel, disconnect): {r['abandonedWaits']}")
-        top = list(r["heldMsBySession"].items())
-        shown = ", ".join(f"{s} {_duration(ms)}" for s, ms in top[:8])
-        more = f", and {len(top) - 8} more" if len(top) > 8 else ""
-        out.append(f"  held by session: {shown}{more}")
+        out.append(f"  held by session: {_by_session(r['heldMsBySession'])}")
         if r["deadMs"]:
             held_ms = sum(r["heldMs"].values())
             share = f" ({r['deadMs'] / held_ms * 100:.0f}% of the time held)" if held_ms else ""
-            top = list(r["deadMsBySession"].items())
-            shown = ", ".join(f"{s} {_duration(ms)}" for s, ms in top[:8])
-            more = f", and {len(top) - 8} more" if len(top) > 8 else ""
             out.append(f"  dead time: {_duration(r['deadMs'])} held with no request in flight while someone "
-                       f"waited{share}: {shown}{more}")
+                       f"waited{share}: {_by_session(r['deadMsBySession'])}")
         tokens = r.get("tokens")
         if tokens:
             out.append(f"  tokens: {tokens['requests']} requests prefilled {tokens['prefilled']:,} and reused "
