@@ -3294,9 +3294,11 @@ class Client:
 
     def session(self, queue_key: str, session_key: Optional[str] = None, role: str = "parent",
                 group: Optional[str] = None, grace_ms: int = GRACE_MS,
-                yield_on_settle: Optional[bool] = None) -> Session:
-        """A Session: turn-based affinity for one agent session on one queue."""
-        return Session(self, queue_key, session_key, role, group, grace_ms, yield_on_settle)
+                yield_on_settle: Optional[bool] = None, slots: Optional[SlotStore] = None) -> Session:
+        """A Session: turn-based affinity for one agent session on one queue.  ``slots``: the
+        model server's SlotStore (one per server, shared by the sessions), to park contexts in
+        llama.cpp's slot files at a switch."""
+        return Session(self, queue_key, session_key, role, group, grace_ms, yield_on_settle, slots)
 
     def close(self) -> None:
         """Say ``bye`` (everything this process holds or queued is let go now) and disconnect.
@@ -3432,10 +3434,11 @@ class Session:
 
     def __init__(self, client: Client, queue_key: str, session_key: Optional[str] = None,
                  role: str = "parent", group: Optional[str] = None, grace_ms: int = GRACE_MS,
-                 yield_on_settle: Optional[bool] = None) -> None:
+                 yield_on_settle: Optional[bool] = None, slots: Optional[SlotStore] = None) -> None:
         import uuid
 
         self.client = client
+        self.slots = slots  # llama.cpp's slot files: a switch saves the context it would evict
         self.queue_key = queue_key
         self.session_key = session_key or str(uuid.uuid4())
         self.role = role
@@ -3574,6 +3577,8 @@ class Session:
                 lease.ensure(timeout)
         self._served = lease.seq
         self._mark(lease, True)
+        if self.slots is not None and lease.queued:  # held (not failed open): never mid-stream
+            self.slots.switch_to(self.session_key)
         return lease
 
     def _mark(self, lease: Lease, busy: bool) -> None:
@@ -3595,11 +3600,11 @@ class Session:
             self._gap_turn += 1
             token = self._gap_turn
             self._request_end = time.monotonic()
-            if self.role == "child" and self.client.switch_cost(self.queue_key) == "cheap":
-                window = 0.0  # the server keeps our context: a waiter loses nothing by going first
-            else:
-                window = tool_gap_window(tuple(self._gaps) or tuple(self.client._recent_gaps),
-                                         self.grace_ms / 1000.0)
+            window = tool_gap_window(tuple(self._gaps) or tuple(self.client._recent_gaps),
+                                     self.grace_ms / 1000.0)
+            if self.role == "child" and (self.client.switch_cost(self.queue_key) == "cheap" or
+                                         self.slots is not None and self.slots.cheap_within(window)):
+                window = 0.0  # our context is kept (by the server, or in a slot file): a waiter loses nothing
 
         def park() -> None:
             with self._lock:
@@ -4036,6 +4041,173 @@ def tool_gap_window(gaps: Sequence[float], grace_s: float) -> float:
     return min(grace_s, max(PARENT_HANDBACK_MS / 1000.0, 1.5 * max(gaps) + 0.2))
 
 
+SLOT_FILES = 16  # contexts a SlotStore keeps on the server's disk, one file each, least recently used out
+SLOT_REPROBE_S = 600.0  # a store that found the server without slot files asks again this much later
+
+
+class SlotFiles:
+    """Which saved context each file name holds: a ring of ``capacity`` names (``PREFIX-N.bin``),
+    so the server's disk holds at most that many, the least recently used going first.  Pure."""
+
+    def __init__(self, prefix: str, capacity: int = SLOT_FILES) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.prefix = prefix
+        self.capacity = capacity
+        self._names: OrderedDict[str, str] = OrderedDict()  # session -> file, least recent first
+
+    def saved(self, session: str) -> Optional[str]:
+        """The file holding ``session``'s context, or None (never saved, or its name reused)."""
+        name = self._names.get(session)
+        if name is not None:
+            self._names.move_to_end(session)
+        return name
+
+    def name_for(self, session: str, keep: Optional[str] = None) -> str:
+        """The file to save ``session`` into: its own, else a free name, else the least recently
+        used session's (which is forgotten), never ``keep``'s."""
+        name = self._names.get(session)
+        if name is None:
+            used = set(self._names.values())
+            free = [i for i in range(self.capacity) if f"{self.prefix}-{i}.bin" not in used]
+            if free:
+                name = f"{self.prefix}-{free[0]}.bin"
+            else:
+                victim = next((s for s in self._names if s != keep), None)
+                if victim is None:  # capacity 1 and keep holds it: keep loses it
+                    victim = next(iter(self._names))
+                name = self._names.pop(victim)
+        self._names[session] = name
+        self._names.move_to_end(session)
+        return name
+
+    def forget(self, session: str) -> None:
+        self._names.pop(session, None)
+
+
+class SlotStore:
+    """llama.cpp's slot files at a switch, so no context is prefilled twice.
+
+    ``switch_to(session)`` goes right before each of a session's requests, while it holds the
+    slot.  When another session's request ran on the slot last, that session's context (still in
+    the slot) is saved to a file on the server (``POST /slots/0?action=save``), and then this
+    session's own, if it was saved at an earlier switch, is put back (``action=restore``): its
+    request then reuses all of it, whatever ran in between.  A save and a restore take
+    milliseconds where a prefill of the same context takes seconds.
+
+    Needs llama-server started with ``--slot-save-path DIR`` and one slot (``-np 1``).  Anything
+    else (another server, no ``/props``, ``total_slots`` above 1, a 501 for the slots action)
+    turns the store off, quietly, and it asks again ``SLOT_REPROBE_S`` later.  It never fails a
+    request: an error costs at most the re-prefill that would have happened without it.  The
+    server's disk holds at most ``files`` contexts (``SlotFiles``).
+
+    ``active``: the server takes slot files (the last save worked).  ``switch_s``: what the last
+    switch's save and restore took, wall clock.  One store per server and process; it is safe
+    from any thread (a switch holds its lock)."""
+
+    def __init__(self, server: str, files: int = SLOT_FILES, timeout: float = 60.0) -> None:
+        import hashlib
+        import urllib.parse
+
+        parsed = urllib.parse.urlsplit(server)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"a slot store needs an http(s) URL (got {server!r})")
+        path = parsed.path.rstrip("/")
+        if path.endswith("/v1"):  # the OpenAI base URL: the slots API is at the server's root
+            path = path[:-3]
+        self._target = parsed
+        self._root = path
+        self.timeout = timeout
+        tag = hashlib.sha1(normalize_url(server).encode()).hexdigest()[:10]
+        self.files = SlotFiles(f"llmqueue-{tag}", files)
+        self._lock = threading.Lock()
+        self._last: Optional[str] = None  # whose request ran on the slot last (as far as we know)
+        self._probed = False
+        self._off_until = 0.0  # monotonic: off (no slot files there) until then
+        self.active = False
+        self.switch_s = 0.0
+        self.saves = self.restores = self.failures = 0
+
+    def _call(self, method: str, path: str, body: Optional[dict[str, Any]] = None) -> tuple[int, Any]:
+        import http.client
+
+        cls = http.client.HTTPSConnection if self._target.scheme == "https" else http.client.HTTPConnection
+        conn = cls(self._target.hostname or "", self._target.port, timeout=self.timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request(method, self._root + path, body=data,
+                         headers={"Content-Type": "application/json"} if data is not None else {})
+            response = conn.getresponse()
+            raw = response.read(1 << 20)
+            try:
+                obj = json.loads(raw) if raw else None
+            except ValueError:
+                obj = None
+            return response.status, obj
+        finally:
+            conn.close()
+
+    def _off(self) -> None:
+        self.active = False
+        self._probed = False
+        self._off_until = time.monotonic() + SLOT_REPROBE_S
+
+    def _probe(self) -> bool:
+        """One slot and slot files there?  Saves the slot as it is (whatever is in it) to find out."""
+        self._probed = True
+        status, props = self._call("GET", "/props")
+        if status != 200 or not isinstance(props, dict) or props.get("total_slots") != 1:
+            return False
+        status, _ = self._call("POST", "/slots/0?action=save", {"filename": f"{self.files.prefix}-probe.bin"})
+        return status == 200
+
+    def switch_to(self, session: str) -> None:
+        """``session``'s request is about to run on the slot: save the previous session's
+        context and bring back this one's, when the slot changed hands since."""
+        with self._lock:
+            prev, self._last = self._last, session
+            start = time.monotonic()
+            if start < self._off_until:
+                return
+            try:
+                if not self._probed:
+                    if not self._probe():
+                        self._off()
+                        return
+                    self.active = True
+                if prev is None or prev == session:
+                    return
+                own = self.files.saved(session)
+                name = self.files.name_for(prev, keep=session)
+                status, _ = self._call("POST", "/slots/0?action=save", {"filename": name})
+                if status == 501:
+                    self._off()
+                    return
+                if status == 200:
+                    self.saves += 1
+                    self.active = True
+                else:
+                    self.files.forget(prev)
+                    self.failures += 1
+                    self.active = False
+                if own is not None:
+                    status, _ = self._call("POST", "/slots/0?action=restore", {"filename": own})
+                    if status == 200:
+                        self.restores += 1
+                    else:  # llama.cpp cleared the slot: the request prefills, as without us
+                        self.files.forget(session)
+                        self.failures += 1
+                self.switch_s = time.monotonic() - start
+            except Exception:  # OSError, http.client.HTTPException: never the request's problem
+                self.failures += 1
+                self.active = False
+
+    def cheap_within(self, window_s: float) -> bool:
+        """A switch is worth it inside a gap of ``window_s``: the store works, and a save and a
+        restore (twice: out and back) take at most half of it."""
+        return self.active and 4 * self.switch_s <= window_s
+
+
 class _ProxySession:
     """A queue Session plus how many of its requests are in flight, and the gaps between its
     requests (its agent's tool calls), which set how long it keeps the slot after a response."""
@@ -4060,7 +4232,7 @@ class Proxy:
     def __init__(self, upstream: str, *, client: Client, listen: tuple[str, int] = ("127.0.0.1", DEFAULT_PROXY_PORT),
                  queue_key: Optional[str] = None, role: str = "parent", grace_ms: int = GRACE_MS,
                  allow_remote: bool = False, log: Optional[Callable[[str], None]] = None,
-                 identity: Tuple[str, ...] = IDENTITY_SOURCES) -> None:
+                 identity: Tuple[str, ...] = IDENTITY_SOURCES, slot_files: bool = True) -> None:
         import urllib.parse
         from http.server import ThreadingHTTPServer
 
@@ -4081,6 +4253,8 @@ class Proxy:
         self._conversations: OrderedDict[str, str] = OrderedDict()
         self.upstream = upstream
         self._target = parsed
+        # llama.cpp's slot files at a switch (it turns itself off where the server has none)
+        self.slots: Optional[SlotStore] = SlotStore(upstream) if slot_files else None
         self.queue_key = queue_key or upstream
         self.role = role
         self.grace_ms = grace_ms
@@ -4148,18 +4322,21 @@ class Proxy:
           peers' recent gaps, or the whole grace when none is known).
 
         Except that where switches are cheap (the daemon learned that sessions back on the slot
-        find their context kept), only a named parent keeps its slot: any other hands over at
-        once, since a waiter going first costs it no prefill."""
+        find their context kept, or the server takes slot files and a save and restore fit the
+        window with room, ``SlotStore.cheap_within``), only a named parent keeps its slot: any
+        other hands over at once, since a waiter going first costs it no prefill."""
         grace = self.grace_ms / 1000.0
         if ending == "turn":
             return 0.0
-        if not ps.interactive and self.client.switch_cost(self.queue_key) == "cheap":
+        window = grace if ending == "tool" else tool_gap_window(tuple(ps.gaps) or tuple(self._recent_gaps), grace)
+        if not ps.interactive and (self.client.switch_cost(self.queue_key) == "cheap" or
+                                   self.slots is not None and self.slots.cheap_within(window)):
             return 0.0
         if ending == "tool":
             return grace
         if ps.interactive:
             return None
-        return tool_gap_window(tuple(ps.gaps) or tuple(self._recent_gaps), grace)
+        return window
 
     def begin(self, session_key: Optional[str], role: str,
               client_sock: Optional[socket.socket] = None, interactive: bool = False) -> _ProxySession:
@@ -4178,7 +4355,8 @@ class Proxy:
                 # at settle (it still hands back to a waiting parent at its next request).
                 ps = self._sessions[key] = _ProxySession(
                     self.client.session(self.queue_key, key, role, grace_ms=self.grace_ms,
-                                        yield_on_settle=None if role == "parent" else False), own,
+                                        yield_on_settle=None if role == "parent" else False,
+                                        slots=self.slots), own,
                     interactive and role == "parent")
             ps.inflight += 1
             if ps.inflight == 1 and ps.last_end is not None:
@@ -5367,6 +5545,9 @@ def _cmd_proxy(argv: list[str]) -> int:
     parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --listen address")
     parser.add_argument("--fail-closed", action="store_true",
                         help="answer 503 instead of forwarding unqueued when no daemon can be had")
+    parser.add_argument("--no-slot-files", action="store_true",
+                        help="never save or restore llama.cpp slot files at a switch (by default the proxy "
+                             "does where the upstream is a one-slot llama-server with --slot-save-path)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
 
@@ -5378,7 +5559,7 @@ def _cmd_proxy(argv: list[str]) -> int:
     try:
         proxy = Proxy(args.upstream, client=client, listen=args.listen, queue_key=args.queue, role=args.role,
                       allow_remote=args.allow_remote, log=say if args.verbose else None,
-                      identity=args.identity)
+                      identity=args.identity, slot_files=not args.no_slot_files)
     except (ValueError, OSError) as e:
         say(f"llmqueue proxy: {e}")
         client.close()

@@ -30,7 +30,10 @@ dead-time figure) on a temporary agent dir.
 every run meets empty caches; it writes its own random-weight model, see below):
 - ``1slot-nocache``: one slot, llama.cpp's host prompt cache off (``--cache-ram 0``);
 - ``1slot-cache``: one slot with llama.cpp's host prompt cache;
-- ``nslot-unified``: one slot per agent, sharing one unified KV cache (``--kv-unified``).
+- ``nslot-unified``: one slot per agent, sharing one unified KV cache (``--kv-unified``);
+- ``1slot-save``: ``1slot-cache`` plus ``--slot-save-path``: at a switch the queue's client side
+  (``llmqueue.SlotStore``, in the proxy and in the ``client`` access's sessions) saves the
+  outgoing context to a file and restores the returning one's.
 Each with two workloads: ``fit`` (the slot holds one agent's context and the host cache, or the
 unified KV, holds them all) and ``pressure`` (the host cache, or the unified KV, holds about two
 agents' contexts).  With ``--upstream`` the server is yours: one set-up, ``upstream``, one
@@ -339,11 +342,14 @@ class ClientAccess(Access):
     name = "client"
 
     def __init__(self, upstream: str, client: llmqueue.Client, queue_key: Optional[str] = None,
-                 grace_ms: int = llmqueue.GRACE_MS) -> None:
+                 grace_ms: int = llmqueue.GRACE_MS, slot_files: bool = True) -> None:
         super().__init__(upstream)
         self.client = client
         self.queue_key = queue_key or self.upstream
         self.grace_ms = grace_ms
+        # As a careful user would: llama.cpp's slot files at a switch (off by itself where the
+        # server has none, after one look).
+        self.slots = llmqueue.SlotStore(self.upstream) if slot_files else None
         self.sessions: Dict[str, llmqueue.Session] = {}
         self.lock = threading.Lock()
 
@@ -352,7 +358,7 @@ class ClientAccess(Access):
             s = self.sessions.get(agent.session)
             if s is None:
                 s = self.sessions[agent.session] = self.client.session(
-                    self.queue_key, agent.session, agent.role, grace_ms=self.grace_ms)
+                    self.queue_key, agent.session, agent.role, grace_ms=self.grace_ms, slots=self.slots)
             return s
 
     def run(self, agent: "Agent") -> ContextManager[Any]:
@@ -833,12 +839,14 @@ class Setup(NamedTuple):
     slots: int  # 0: one per agent
     host_cache: bool
     unified: bool
+    slot_files: bool = False  # --slot-save-path: the queue parks contexts there at a switch
 
 
 SETUPS = {
     "1slot-nocache": Setup("1slot-nocache", 1, False, False),
     "1slot-cache": Setup("1slot-cache", 1, True, False),
     "nslot-unified": Setup("nslot-unified", 0, True, True),
+    "1slot-save": Setup("1slot-save", 1, True, False, slot_files=True),
 }
 
 
@@ -867,9 +875,14 @@ def llama_args(setup: Setup, pressure: bool, wl: Workload, size: ModelSize) -> L
 class LlamaServer:
     """``llama-server`` on a free loopback port, for one run."""
 
-    def __init__(self, binary: str, model: str, args: List[str], threads: int, log_path: str) -> None:
+    def __init__(self, binary: str, model: str, args: List[str], threads: int, log_path: str,
+                 slot_files: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # slot files go to a directory of the run's own, removed with the server
+        self.slot_dir = tempfile.mkdtemp(prefix="lqagents-slots-") if slot_files else None
+        if self.slot_dir is not None:
+            args = args + ["--slot-save-path", self.slot_dir + os.sep]
         self.argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
                      "--no-webui", "--metrics"] + args
         self.log = open(log_path, "ab")
@@ -883,6 +896,8 @@ class LlamaServer:
     def close(self) -> None:
         stop_process(self.proc)
         self.log.close()
+        if self.slot_dir is not None:
+            shutil.rmtree(self.slot_dir, ignore_errors=True)
 
 
 # =================================================================================================
@@ -1065,7 +1080,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         if setup is not None:
                             server = LlamaServer(args.llama_server, model or "", llama_args(
                                 setup, workload == "pressure", wl, size), args.threads,
-                                os.path.join(tmp, "llama-server.log"))
+                                os.path.join(tmp, "llama-server.log"), slot_files=setup.slot_files)
                             upstream = server.url
                         else:
                             upstream = args.upstream

@@ -47,7 +47,14 @@ What it models (a deliberately small but faithful picture of llama-server's slot
   stream; ``chunked=True`` frames them with chunked transfer encoding instead, as llama-server's
   HTTP library does, so a cut is also a broken HTTP body (no terminating chunk).  A slot is
   released just before the last bytes of its response go out.  ``GET /v1/models``, ``/health`` and
-  ``/slots`` answer as llama-server's do.
+  ``/slots`` answer as llama-server's do; ``GET /props`` gives ``total_slots``.
+- **Slot files** (``slot_files=True``, like ``--slot-save-path``): ``POST /slots/ID?action=save``
+  with ``{"filename": NAME}`` keeps a copy of the slot's cache under NAME (waiting until the
+  slot is idle, as llama-server defers it); ``action=restore`` puts a saved copy back into the
+  slot (``restore_ms`` a token; a missing file is a 400 and clears the slot, as llama-server's
+  failed restore does).  Both answer llama-server's bodies (``n_saved``/``n_restored`` and
+  ``timings``).  Without ``slot_files`` both answer 501 ``not_supported_error``.  Every action
+  is recorded in ``slot_actions`` as ``(action, filename, tokens)``; tokens is -1 for a failure.
 - **Faults on demand**: ``inject(kind, count)`` makes the next ``count`` completion requests fail
   after taking a slot: ``"close"`` streams a few tokens and shuts the connection down (no
   ``[DONE]``); ``"500"`` and ``"kv-full"`` answer 500 with llama-server's error bodies;
@@ -73,6 +80,7 @@ import json
 import socket
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Deque, Dict, List, Optional, Set, Type
 
@@ -182,7 +190,8 @@ class KVSim:
 
     def __init__(self, slots: int = 1, slot_ctx: int = 4096, host_cache_tokens: int = 0,
                  prefill_ms: float = 0.2, decode_ms: float = 1.0, restore_ms: float = 0.0,
-                 unified_ctx: Optional[int] = None, port: int = 0, *, chunked: bool = False) -> None:
+                 unified_ctx: Optional[int] = None, port: int = 0, *, chunked: bool = False,
+                 slot_files: bool = False) -> None:
         if slots < 1:
             raise ValueError("slots must be at least 1")
         self.slot_ctx = slot_ctx if unified_ctx is None else min(slot_ctx, unified_ctx)
@@ -192,6 +201,9 @@ class KVSim:
         self.restore_ms = restore_ms
         self.unified_ctx = unified_ctx
         self.chunked = chunked
+        self.slot_files = slot_files
+        self._files: Dict[str, tuple] = {}  # filename -> (cache, header): the slot files on "disk"
+        self.slot_actions: List[tuple] = []  # (action, filename, tokens): guard with lock
         self.records: List[Dict[str, Any]] = []
         self.lock = threading.Lock()
         self._cv = threading.Condition()  # guards the slots, the server queue, the host cache, faults
@@ -247,6 +259,46 @@ class KVSim:
         """Each slot's cache, in tokens."""
         with self._cv:
             return [len(s.cache) for s in self._slots]
+
+    def slot_action(self, slot_id: int, action: str, filename: Any) -> tuple:
+        """``POST /slots/ID?action=...``: (status, body)."""
+        if not self.slot_files:
+            return 501, {"error": {"code": 501, "type": "not_supported_error", "message":
+                                   "This server does not support slots action. Start it with `--slot-save-path`"}}
+        if action not in ("save", "restore"):
+            return 400, {"error": {"code": 400, "type": "invalid_request_error", "message": "Invalid action"}}
+        if (not isinstance(filename, str) or not filename or "/" in filename or filename.startswith(".")):
+            return 400, {"error": {"code": 400, "type": "invalid_request_error", "message": "Invalid filename"}}
+        if not 0 <= slot_id < len(self._slots):
+            return 400, {"error": {"code": 400, "type": "invalid_request_error", "message": "Invalid slot ID"}}
+        slot = self._slots[slot_id]
+        with self._cv:
+            while slot.owner is not None and not self._closed:  # deferred until the slot is idle
+                self._cv.wait(0.05)
+            if action == "save":
+                self._files[filename] = (list(slot.cache), slot.header)
+                n = len(slot.cache)
+            else:
+                saved = self._files.get(filename)
+                if saved is None:
+                    slot.cache, slot.header = [], 0
+                    n = -1
+                else:
+                    slot.cache, slot.header = list(saved[0]), saved[1]
+                    n = len(slot.cache)
+        with self.lock:
+            self.slot_actions.append((action, filename, n))
+        if n < 0:
+            return 400, {"error": {"code": 400, "type": "invalid_request_error", "message":
+                                   "Unable to restore slot: No available space in KV cache or invalid slot save file"}}
+        if action == "restore" and self.restore_ms > 0:
+            with self._engine:
+                time.sleep(self.restore_ms * n / 1000.0)
+        if action == "save":
+            return 200, {"id_slot": slot_id, "filename": filename, "n_saved": n, "n_written": 64 * n,
+                         "timings": {"save_ms": 0.1}}
+        return 200, {"id_slot": slot_id, "filename": filename, "n_restored": n, "n_read": 64 * n,
+                     "timings": {"restore_ms": self.restore_ms * n}}
 
     def restart(self) -> None:
         """As a server restart: every cache dropped, every in-flight or queued request cut; the
@@ -491,6 +543,9 @@ def _make_handler(sim: KVSim) -> Type[BaseHTTPRequestHandler]:
                                                              "owned_by": "llamacpp"}]})
             elif path == "/slots":
                 self._json(200, sim._slots_json())
+            elif path == "/props":
+                self._json(200, {"total_slots": len(sim._slots), "model_alias": MODEL,
+                                 "default_generation_settings": {"n_ctx": sim.slot_ctx}})
             else:
                 self._error(404, {"code": 404, "message": "File Not Found", "type": "not_found_error"})
 
@@ -498,6 +553,16 @@ def _make_handler(sim: KVSim) -> Type[BaseHTTPRequestHandler]:
             path = self.path.split("?", 1)[0]
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length > 0 else b""
+            if path.startswith("/slots/"):
+                query = urllib.parse.parse_qs(self.path.split("?", 1)[1] if "?" in self.path else "")
+                try:
+                    slot_id = int(path[len("/slots/"):])
+                    filename = json.loads(raw or b"{}").get("filename")
+                except (ValueError, AttributeError):
+                    slot_id, filename = -1, None
+                status, obj = sim.slot_action(slot_id, (query.get("action") or [""])[0], filename)
+                self._json(status, obj)
+                return
             if path not in CHAT_PATHS:
                 self._error(404, {"code": 404, "message": "File Not Found", "type": "not_found_error"})
                 return
