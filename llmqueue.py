@@ -126,6 +126,8 @@ POLICIES = ("priority-aging", "fifo")
 SWITCH_COSTS = ("auto", "cheap", "dear")
 KEPT_CHEAP = 0.8  # the share of its context each session back after a switch must find kept
 KEPT_SAMPLES = 4  # the most recent returns that must all have (at least 2 of them)
+STATE_FILE = "llm-queue-state.json"  # in the agent dir: what a switch costs, learned, for the next daemon
+STATE_KEEP_S = 7 * 24 * 3600.0  # a queue's learned switch cost older than this is forgotten
 
 DEFAULT_BLOCKING_TOOLS = (
     "subagent",
@@ -440,6 +442,41 @@ def _read_small_file(path: str) -> bytes:
             chunks.append(chunk)
     finally:
         os.close(fd)
+
+
+def encode_state(kept: dict[str, list[float]], at: dict[str, float]) -> bytes:
+    """The agent dir's state file: per queue, its latest returns' kept shares and when the
+    last of them came (epoch seconds)."""
+    queues = {key: {"kept": [round(k, 4) for k in shares], "at": round(at.get(key, 0.0), 3)}
+              for key, shares in kept.items()}
+    return json.dumps({"version": 1, "affinity": queues}, sort_keys=True).encode() + b"\n"
+
+
+def decode_state(raw: bytes, wall: float) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """The state file's queues (kept shares, and when), leniently: anything malformed is
+    skipped, and so is a queue last heard of more than ``STATE_KEEP_S`` before ``wall``."""
+    kept: dict[str, list[float]] = {}
+    at: dict[str, float] = {}
+    try:
+        obj = _DECODER.decode(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return kept, at
+    queues = obj.get("affinity") if isinstance(obj, dict) and obj.get("version") == 1 else None
+    if not isinstance(queues, dict):
+        return kept, at
+    for key, entry in list(queues.items())[:4096]:
+        if not isinstance(entry, dict):
+            continue
+        shares, when = entry.get("kept"), entry.get("at")
+        if (not isinstance(shares, list) or not isinstance(when, (int, float)) or isinstance(when, bool)
+                or not wall - STATE_KEEP_S <= when <= wall + 60.0):
+            continue
+        good = [float(s) for s in shares[-KEPT_SAMPLES:]
+                if isinstance(s, (int, float)) and not isinstance(s, bool) and 0.0 <= s <= 1.0]
+        if good:
+            kept[key] = good
+            at[key] = float(when)
+    return kept, at
 
 
 def load_config(path: str) -> ConfigLoad:
@@ -1173,6 +1210,23 @@ class Scheduler:
         setting = q.policy.switch_cost if q else self.addressing.address_endpoint(key)[1].switch_cost
         return Usage(resolved, session, prefilled, reused, holder.seq if holder else None, kept,
                      switch_cost(affinity.kept, setting))
+
+    def affinity_kept(self) -> dict[str, list[float]]:
+        """Each queue's latest returns (the share of its context each found kept): what a
+        switch costs there, learned, to carry into a later daemon (``seed_affinity``)."""
+        return {key: list(a.kept) for key, a in self._affinity.items() if a.kept}
+
+    def seed_affinity(self, kept: dict[str, list[float]]) -> None:
+        """What an earlier daemon learned (``affinity_kept``): each queue's returns, older than
+        any of its own, so a switch cost is known before anyone comes back."""
+        for key, shares in kept.items():
+            affinity = self._affinity.pop(key, None) or _Affinity()
+            own = list(affinity.kept)
+            affinity.kept.clear()
+            affinity.kept.extend(list(shares)[-KEPT_SAMPLES:] + own)  # the latest KEPT_SAMPLES stay
+            self._affinity[key] = affinity
+        while len(self._affinity) > 4096:
+            self._affinity.popitem(last=False)
 
     def parent_waits(self, key: str, session: str) -> bool:
         """Whether the session holds a child's slot there while a parent waits: a hint, in its
@@ -1917,6 +1971,9 @@ class Daemon:
         self.socket_path = socket_path or os.path.join(self.agent_dir, "llm-queue.sock")
         self.config_path = config_path or os.path.join(self.agent_dir, "llm-queue.json")
         self.models_json = models_json or os.path.join(self.agent_dir, "models.json")
+        self.state_path = os.path.join(self.agent_dir, STATE_FILE)  # what a switch costs, learned
+        self._state_at: dict[str, float] = {}  # per queue: when its last return came (epoch s)
+        self._state_note: Optional[str] = None
         self.sweep_ms = sweep_ms
         self.idle_exit_ms = idle_exit_ms
         self._stderr = stderr
@@ -2086,6 +2143,7 @@ class Daemon:
         self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
         self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._load_config(startup=True)
+        self._load_state()
         self._arm("poll", self._now + self._poll_ms())
         self._idle_since = self._now
         self._arm_exit()
@@ -2317,13 +2375,51 @@ class Daemon:
         if spells and self.config.log_file:
             for spell in spells:
                 self._log_lines.extend(_event_record(spell))
+        learned = False
         for event in events:
             if isinstance(event, Granted):
                 for conn, key in event.targets:
                     if not conn.closing:
                         self._send(conn, encode_granted(key, event.holder))
+            elif isinstance(event, Usage) and event.kept is not None:
+                self._state_at[event.queue_key] = time.time()
+                learned = True
             if self.config.log_file:
                 self._log_lines.extend(_event_record(event))
+        if learned:
+            self._save_state()
+
+    def _load_state(self) -> None:
+        """What earlier daemons learned of switch costs (the agent dir's state file), if any."""
+        try:
+            raw = _read_small_file(self.state_path)
+        except OSError:
+            return  # none yet (or unusable): learn afresh
+        kept, self._state_at = decode_state(raw, time.time())
+        self.scheduler.seed_affinity(kept)
+
+    def _save_state(self) -> None:
+        """Write what was learned, atomically (a temporary file renamed over the state file), so
+        the next daemon starts from it.  A failure is said once and costs nothing else."""
+        kept = self.scheduler.affinity_kept()
+        data = encode_state(kept, {k: self._state_at.get(k, 0.0) for k in kept})
+        tmp = f"{self.state_path}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.state_path)
+        except OSError as e:
+            note = f"cannot write {self.state_path}: {e.strerror or e}"
+            if note != self._state_note:
+                self._state_note = note
+                self._say(note)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
     def _send(self, c: _Conn, data: bytes) -> None:
         if c.closing:

@@ -22,7 +22,11 @@ then streamed requests that grow it with the reply and a tool's output between r
   ``request()`` before each model request, ``tool(name)`` around each tool (``subagent`` is a
   blocking tool);
 - ``proxy``: ``llmqueue proxy`` with the session and tier in the base URL (``/s/NAME/ROLE/v1``);
-- ``proxy-anon``: the proxy with no session names (what a tool that only takes a base URL gets).
+- ``proxy-anon``: the proxy with no session names (what a tool that only takes a base URL gets);
+- ``client-warm``, ``proxy-warm``: ``client`` and ``proxy`` with a daemon that served agents on
+  this server before (``lesson``: as many agents as the run has take turns, two requests each)
+  and exited, as a daemon does when its last client leaves: the run's daemon starts from the
+  agent dir's state file (what a switch costs there, learned).
 Every queued run gets a fresh daemon with the **default config** (only ``logFile`` set, for the
 dead-time figure) on a temporary agent dir.
 
@@ -790,7 +794,7 @@ class Queue:
     """A fresh daemon (default config, plus ``logFile``) on a temporary agent dir, and for the
     proxy modes ``llmqueue proxy`` in front of the upstream, each its own process."""
 
-    def __init__(self, upstream: str, proxy: bool) -> None:
+    def __init__(self, upstream: str, proxy: bool, teach: Optional[Tuple["Workload", str]] = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="lqagents-", dir="/tmp")
         self.log = os.path.join(self.dir, "events.log")
         with open(os.path.join(self.dir, "llm-queue.json"), "w") as f:
@@ -798,15 +802,22 @@ class Queue:
         self.procs: List["subprocess.Popen[bytes]"] = []
         env = dict(os.environ)
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        self.daemon = subprocess.Popen([sys.executable, MODULE, "--agent-dir", self.dir, "--idle-exit-ms", "never"],
-                                       stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        if teach is not None:
+            # A daemon that served agents on this server before, and exited: what it learned of
+            # switch costs is in the agent dir's state file when the run's own daemon starts.
+            earlier = self._start_daemon(env)
+            client = llmqueue.Client(self.dir, fail_open=False)
+            try:
+                # on the queue the run uses: the proxy's is its upstream, the server's root
+                access = ClientAccess(upstream, client, queue_key=server_root(upstream) if proxy else None)
+                lesson(access, *teach)
+                access.close()
+            finally:
+                client.close()
+                stop_process(earlier)
+            os.unlink(self.log)  # the run's log is the run's own
+        self.daemon = self._start_daemon(env)
         self.procs.append(self.daemon)
-        sock = os.path.join(self.dir, "llm-queue.sock")
-        deadline = time.monotonic() + 15
-        while not os.path.exists(sock):
-            if self.daemon.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the llmqueue daemon did not start")
-            time.sleep(0.02)
         self.proxy_url: Optional[str] = None
         if proxy:
             port = free_port()
@@ -824,6 +835,18 @@ class Queue:
                     if p.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError("llmqueue proxy did not start")
                     time.sleep(0.05)
+
+    def _start_daemon(self, env: Dict[str, str]) -> "subprocess.Popen[bytes]":
+        sock = os.path.join(self.dir, "llm-queue.sock")
+        daemon = subprocess.Popen([sys.executable, MODULE, "--agent-dir", self.dir, "--idle-exit-ms", "never"],
+                                  stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + 15
+        while not os.path.exists(sock):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                stop_process(daemon)
+                raise RuntimeError("the llmqueue daemon did not start")
+            time.sleep(0.02)
+        return daemon
 
     def events(self) -> List[Dict[str, Any]]:
         return llmqueue.read_event_log([self.log]) if os.path.exists(self.log) else []
@@ -904,25 +927,40 @@ class LlamaServer:
 # Runs and the table
 # =================================================================================================
 
-ACCESS = ("none", "client", "proxy", "proxy-anon")
+ACCESS = ("none", "client", "proxy", "proxy-anon", "client-warm", "proxy-warm")
+
+
+def lesson(access: Access, wl: Workload, salt: str) -> None:
+    """What a daemon that served your agents before knows: as many agents as the run has (of the
+    run's sizes, conversations of their own), two requests each, one at a time in turn, so that
+    each comes back after all the others."""
+    records: List[Record] = []
+    lock = threading.Lock()
+    teachers = [Agent(f"teach{i}", "child", wl, "lesson" + salt, 0, records, lock) for i in range(wl.children + 1)]
+    for _ in range(2):
+        for agent in teachers:
+            with access.run(agent):
+                agent.ask(access)
 
 
 def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: str,
              background: bool = True, keep_log: Optional[str] = None) -> Dict[str, Any]:
     """One run of ``pattern`` through ``access_name`` against ``upstream``: its figures.
     ``keep_log``: copy the daemon's event log there (for ``llmqueue report``)."""
-    queue = Queue(upstream, proxy=access_name.startswith("proxy")) if access_name != "none" else None
+    warm = access_name.endswith("-warm")
+    queue = (Queue(upstream, proxy=access_name.startswith("proxy"), teach=(wl, salt) if warm else None)
+             if access_name != "none" else None)
     client: Optional[llmqueue.Client] = None
     access: Access
     try:
         if queue is None:
             access = Access(upstream)
-        elif access_name == "client":
+        elif access_name in ("client", "client-warm"):
             client = llmqueue.Client(queue.dir, fail_open=False)
             access = ClientAccess(upstream, client)
         else:
             assert queue.proxy_url is not None
-            access = ProxyAccess(upstream, queue.proxy_url, named=access_name == "proxy")
+            access = ProxyAccess(upstream, queue.proxy_url, named=access_name in ("proxy", "proxy-warm"))
         fn = PATTERNS[pattern]
         result = fn(access, wl, salt, background=background) if pattern == "interactive" else fn(access, wl, salt)
         access.close()
