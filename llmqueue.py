@@ -3537,6 +3537,7 @@ class Session:
         self.slots = slots  # llama.cpp's slot files: a switch saves the context it would evict
         self.queue_key = queue_key
         self.session_key = session_key or str(uuid.uuid4())
+        self.slot_key: Optional[str] = self.session_key  # None: its context is never saved
         self.role = role
         self.group = group
         self.grace_ms = grace_ms
@@ -3674,7 +3675,7 @@ class Session:
         self._served = lease.seq
         self._mark(lease, True)
         if self.slots is not None and lease.queued:  # held (not failed open): never mid-stream
-            self.slots.switch_to(self.session_key)
+            self.slots.switch_to(self.slot_key)
         return lease
 
     def _mark(self, lease: Lease, busy: bool) -> None:
@@ -4139,6 +4140,7 @@ def tool_gap_window(gaps: Sequence[float], grace_s: float) -> float:
 
 SLOT_FILES = 16  # contexts a SlotStore keeps on the server's disk, one file each, least recently used out
 SLOT_REPROBE_S = 600.0  # a store that found the server without slot files asks again this much later
+SLOT_RETRY_S = 10.0  # a store that could not reach the server tries again this much later
 
 
 class SlotFiles:
@@ -4201,7 +4203,8 @@ class SlotStore:
     switch's save and restore took, wall clock.  One store per server and process; it is safe
     from any thread (a switch holds its lock)."""
 
-    def __init__(self, server: str, files: int = SLOT_FILES, timeout: float = 60.0) -> None:
+    def __init__(self, server: str, files: int = SLOT_FILES, timeout: float = 60.0,
+                 log: Optional[Callable[[str], None]] = None) -> None:
         import hashlib
         import urllib.parse
 
@@ -4214,6 +4217,7 @@ class SlotStore:
         self._target = parsed
         self._root = path
         self.timeout = timeout
+        self.log = log or (lambda message: None)
         tag = hashlib.sha1(normalize_url(server).encode()).hexdigest()[:10]
         self.files = SlotFiles(f"llmqueue-{tag}", files)
         self._lock = threading.Lock()
@@ -4243,10 +4247,11 @@ class SlotStore:
         finally:
             conn.close()
 
-    def _off(self) -> None:
+    def _off(self, for_s: float = SLOT_REPROBE_S, why: str = "the server takes no slot files") -> None:
+        self.log(f"slot files: off for {for_s:.0f} s ({why})")
         self.active = False
         self._probed = False
-        self._off_until = time.monotonic() + SLOT_REPROBE_S
+        self._off_until = time.monotonic() + for_s
 
     def _probe(self) -> bool:
         """One slot and slot files there?  Saves the slot as it is (whatever is in it) to find out."""
@@ -4257,9 +4262,10 @@ class SlotStore:
         status, _ = self._call("POST", "/slots/0?action=save", {"filename": f"{self.files.prefix}-probe.bin"})
         return status == 200
 
-    def switch_to(self, session: str) -> None:
+    def switch_to(self, session: Optional[str]) -> None:
         """``session``'s request is about to run on the slot: save the previous session's
-        context and bring back this one's, when the slot changed hands since."""
+        context and bring back this one's, when the slot changed hands since.  None: a request
+        whose context nobody can claim back (a session of its own), so it is never saved."""
         with self._lock:
             prev, self._last = self._last, session
             start = time.monotonic()
@@ -4271,32 +4277,40 @@ class SlotStore:
                         self._off()
                         return
                     self.active = True
-                if prev is None or prev == session:
-                    return
-                own = self.files.saved(session)
-                name = self.files.name_for(prev, keep=session)
-                status, _ = self._call("POST", "/slots/0?action=save", {"filename": name})
-                if status == 501:
-                    self._off()
-                    return
-                if status == 200:
-                    self.saves += 1
-                    self.active = True
-                else:
-                    self.files.forget(prev)
-                    self.failures += 1
-                    self.active = False
-                if own is not None:
+                    self.log("slot files: on (one slot, and a save works)")
+                if prev == session:
+                    return  # the slot holds this session's context (or nobody's we could name)
+                own = self.files.saved(session) if session is not None else None
+                restored = False
+                if prev is not None:  # the slot holds prev's context: keep it before it goes
+                    name = self.files.name_for(prev, keep=session)
+                    status, _ = self._call("POST", "/slots/0?action=save", {"filename": name})
+                    if status in (404, 405, 501):  # no slots API there after all
+                        self.files.forget(prev)
+                        self._off()
+                        return
+                    if status == 200:
+                        self.saves += 1
+                        self.active = True
+                    else:
+                        self.files.forget(prev)
+                        self.failures += 1
+                        self.active = False
+                if own is not None and session is not None:
                     status, _ = self._call("POST", "/slots/0?action=restore", {"filename": own})
                     if status == 200:
                         self.restores += 1
+                        restored = True
                     else:  # llama.cpp cleared the slot: the request prefills, as without us
                         self.files.forget(session)
                         self.failures += 1
                 self.switch_s = time.monotonic() - start
-            except Exception:  # OSError, http.client.HTTPException: never the request's problem
+                did = ([f"{prev} saved"] if prev is not None else []) + ([f"{session} restored"] if restored else [])
+                if did:
+                    self.log(f"slot files: {', '.join(did)} ({1000 * self.switch_s:.0f} ms)")
+            except Exception as e:  # OSError, http.client.HTTPException: never the request's problem
                 self.failures += 1
-                self.active = False
+                self._off(SLOT_RETRY_S, f"{type(e).__name__}: {e}")
 
     def cheap_within(self, window_s: float) -> bool:
         """A switch is worth it inside a gap of ``window_s``: the store works, and a save and a
@@ -4350,7 +4364,7 @@ class Proxy:
         self.upstream = upstream
         self._target = parsed
         # llama.cpp's slot files at a switch (it turns itself off where the server has none)
-        self.slots: Optional[SlotStore] = SlotStore(upstream) if slot_files else None
+        self.slots: Optional[SlotStore] = SlotStore(upstream, log=log) if slot_files else None
         self.queue_key = queue_key or upstream
         self.role = role
         self.grace_ms = grace_ms
@@ -4454,6 +4468,8 @@ class Proxy:
                                         yield_on_settle=None if role == "parent" else False,
                                         slots=self.slots), own,
                     interactive and role == "parent")
+                if own:  # nobody can ask for this context back by name: never worth a file
+                    ps.session.slot_key = None
             ps.inflight += 1
             if ps.inflight == 1 and ps.last_end is not None:
                 gap = time.monotonic() - ps.last_end

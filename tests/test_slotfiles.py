@@ -61,6 +61,13 @@ def test_the_file_about_to_be_restored_is_never_the_one_given_away() -> None:
 # -- the store against the simulator -----------------------------------------------------------------
 
 
+@pytest.fixture
+def logged() -> Iterator[DaemonProc]:
+    log = os.path.join(short_tmpdir(), "events.log")
+    yield from started(config={"defaults": {"logFile": log}})
+
+
+
 def chat(sim: KVSim, words: List[str]) -> Dict[str, Any]:
     body = json.dumps({"messages": [{"role": "user", "content": " ".join(words)}], "max_tokens": 4}).encode()
     req = urllib.request.Request(sim.url + "/chat/completions", body, {"Content-Type": "application/json"})
@@ -92,6 +99,41 @@ def test_a_session_back_after_a_switch_finds_its_whole_context() -> None:
         assert empty == 0 and a_n > 201 and b_n > 301 and (back, back_n) == (a_file, a_n)
         assert len({probe, a_file, b_file}) == 3
         assert (store.saves, store.restores, store.failures) == (2, 1, 0)
+
+
+def test_a_context_nobody_can_claim_back_is_never_saved_but_the_one_it_evicts_is() -> None:
+    with KVSim(slots=1, slot_files=True) as sim:
+        store = lq.SlotStore(sim.url)
+        store.switch_to("a")
+        chat(sim, A)
+        store.switch_to(None)  # a session of its own: a's context is saved before it runs
+        chat(sim, B)
+        store.switch_to("a")  # the slot holds the anonymous context: not saved; a's restored
+        again = chat(sim, A + ["more"])
+        assert again["cache_n"] >= 201, again
+        with sim.lock:
+            actions = [act for act, _, _ in sim.slot_actions]
+        assert actions == ["save", "save", "restore"]  # the probe's, a's, a's back
+
+
+def test_the_proxy_never_saves_a_request_that_named_no_session(logged: DaemonProc) -> None:
+    with KVSim(slots=1, slot_files=True) as sim:
+        client = lq.Client(logged.agent_dir, autostart=False, fail_open=False)
+        proxy = lq.Proxy(sim.base, client=client, listen=("127.0.0.1", 0), identity=())
+        threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True).start()
+        try:
+            named = agents.stream_chat(proxy.url + "/s/a/child/v1", [{"role": "user", "content": " ".join(A)}], 4)
+            anon = agents.stream_chat(proxy.url + "/v1", [{"role": "user", "content": " ".join(B)}], 4)
+            back = agents.stream_chat(proxy.url + "/s/a/child/v1", [{"role": "user", "content": " ".join(A)},
+                                                                   {"role": "assistant", "content": named.text}], 4)
+        finally:
+            proxy.shutdown()
+            client.close()
+        assert named.ok and anon.ok and back.ok
+        assert back.cache_n is not None and back.cache_n >= 201, back  # a's context, restored
+        with sim.lock:
+            actions = [act for act, _, _ in sim.slot_actions]
+        assert actions == ["save", "save", "restore"]  # the probe's, a's before the anonymous one, a's back
 
 
 def test_without_slot_files_the_store_turns_itself_off_after_one_look() -> None:
@@ -155,12 +197,6 @@ def test_a_switch_is_worth_it_only_when_a_save_and_restore_fit_the_gap_with_room
 
 WORKLOAD = agents.Workload(system_tokens=300, task_tokens=20, reply_tokens=8, tool_tokens=60, tool_s=0.3,
                            children=3, child_requests=3, parent_before=2)
-
-
-@pytest.fixture
-def logged() -> Iterator[DaemonProc]:
-    log = os.path.join(short_tmpdir(), "events.log")
-    yield from started(config={"defaults": {"logFile": log}})
 
 
 def figures(d: DaemonProc, result: agents.RunResult) -> Dict[str, float]:
