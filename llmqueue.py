@@ -4138,7 +4138,7 @@ def tool_gap_window(gaps: Sequence[float], grace_s: float) -> float:
     return min(grace_s, max(PARENT_HANDBACK_MS / 1000.0, 1.5 * max(gaps) + 0.2))
 
 
-SLOT_FILES = 16  # contexts a SlotStore keeps on the server's disk, one file each, least recently used out
+SLOT_FILES = 8  # contexts a SlotStore keeps on the server's disk, one file each, least recently used out
 SLOT_REPROBE_S = 600.0  # a store that found the server without slot files asks again this much later
 SLOT_RETRY_S = 10.0  # a store that could not reach the server tries again this much later
 
@@ -4342,7 +4342,7 @@ class Proxy:
     def __init__(self, upstream: str, *, client: Client, listen: tuple[str, int] = ("127.0.0.1", DEFAULT_PROXY_PORT),
                  queue_key: Optional[str] = None, role: str = "parent", grace_ms: int = GRACE_MS,
                  allow_remote: bool = False, log: Optional[Callable[[str], None]] = None,
-                 identity: Tuple[str, ...] = IDENTITY_SOURCES, slot_files: bool = True) -> None:
+                 identity: Tuple[str, ...] = IDENTITY_SOURCES, slot_files: int = SLOT_FILES) -> None:
         import urllib.parse
         from http.server import ThreadingHTTPServer
 
@@ -4364,7 +4364,9 @@ class Proxy:
         self.upstream = upstream
         self._target = parsed
         # llama.cpp's slot files at a switch (it turns itself off where the server has none)
-        self.slots: Optional[SlotStore] = SlotStore(upstream, log=log) if slot_files else None
+        if isinstance(slot_files, bool) or not isinstance(slot_files, int) or slot_files < 0:
+            raise ValueError(f"slot_files must be a count of files, 0 for none (got {slot_files!r})")
+        self.slots: Optional[SlotStore] = SlotStore(upstream, slot_files, log=log) if slot_files else None
         self.queue_key = queue_key or upstream
         self.role = role
         self.grace_ms = grace_ms
@@ -5617,6 +5619,18 @@ def _cmd_check_config(argv: list[str]) -> int:
     return 1
 
 
+def _count_arg(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a count, 0 or more (got {text!r})")
+    return value
+
+
 def _listen_arg(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     try:
@@ -5657,9 +5671,9 @@ def _cmd_proxy(argv: list[str]) -> int:
     parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --listen address")
     parser.add_argument("--fail-closed", action="store_true",
                         help="answer 503 instead of forwarding unqueued when no daemon can be had")
-    parser.add_argument("--no-slot-files", action="store_true",
-                        help="never save or restore llama.cpp slot files at a switch (by default the proxy "
-                             "does where the upstream is a one-slot llama-server with --slot-save-path)")
+    parser.add_argument("--slot-files", type=_count_arg, default=SLOT_FILES, metavar="N",
+                        help="contexts kept in llama.cpp slot files at a switch, where the upstream is a "
+                             f"one-slot llama-server with --slot-save-path (default {SLOT_FILES}; 0: never)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
 
@@ -5671,7 +5685,7 @@ def _cmd_proxy(argv: list[str]) -> int:
     try:
         proxy = Proxy(args.upstream, client=client, listen=args.listen, queue_key=args.queue, role=args.role,
                       allow_remote=args.allow_remote, log=say if args.verbose else None,
-                      identity=args.identity, slot_files=not args.no_slot_files)
+                      identity=args.identity, slot_files=args.slot_files)
     except (ValueError, OSError) as e:
         say(f"llmqueue proxy: {e}")
         client.close()

@@ -183,6 +183,27 @@ def test_a_failed_restore_costs_the_request_nothing_but_its_prefill() -> None:
         assert (store.restores, store.failures) == (2, 1)  # both came back
 
 
+def test_the_proxy_takes_a_count_of_files_and_refuses_anything_else() -> None:
+    import subprocess
+
+    client = lq.Client(short_tmpdir(), autostart=False)
+    try:
+        for bad in (True, -1, 1.5):
+            with pytest.raises(ValueError):
+                lq.Proxy("http://127.0.0.1:9", client=client, listen=("127.0.0.1", 0), slot_files=bad)  # type: ignore[arg-type]
+        off = lq.Proxy("http://127.0.0.1:9", client=client, listen=("127.0.0.1", 0), slot_files=0)
+        assert off.slots is None
+        off.server.server_close()  # never served: shutdown() would wait for serve_forever
+        two = lq.Proxy("http://127.0.0.1:9", client=client, listen=("127.0.0.1", 0), slot_files=2)
+        assert two.slots is not None and two.slots.files.capacity == 2
+        two.server.server_close()
+    finally:
+        client.close()
+    cli = subprocess.run([sys.executable, os.path.join(ROOT, "llmqueue.py"), "proxy", "--upstream",
+                          "http://127.0.0.1:9", "--slot-files", "-1"], capture_output=True, text=True, timeout=30)
+    assert cli.returncode == 2 and "--slot-files" in cli.stderr
+
+
 def test_a_switch_is_worth_it_only_when_a_save_and_restore_fit_the_gap_with_room() -> None:
     with KVSim(slots=1, slot_files=True) as sim:
         store = lq.SlotStore(sim.url)
