@@ -459,6 +459,19 @@ def test_waiter_dequeued_as_disconnected_while_its_connection_is_open_is_flagged
     assert rules(bye.check()) == []
 
 
+def test_a_daemon_kept_off_the_cpu_logs_the_enqueue_after_the_close_and_that_is_no_violation() -> None:
+    """The acquire and the hang-up are read in one late turn (past the margin): the waiter is
+    logged queued, then dequeued, both after the close.  The close came during its life, which
+    began when its acquire was sent.  A close before that acquire still does not count."""
+    late = (full_queue().send("w", 9, op="acquire", queueKey=Q, sessionKey="W").close("w", 20)
+            .ev(400, "queued", "W").ev(400, "dequeue", "W", reason="disconnect"))
+    assert rules(late.check()) == []
+    before = (full_queue().send("old", 2, op="acquire", queueKey=Q, sessionKey="W").close("old", 5)
+              .send("w", 9, op="acquire", queueKey=Q, sessionKey="W")
+              .ev(400, "queued", "W").ev(400, "dequeue", "W", reason="disconnect"))
+    assert "waiter" in rules(before.check())
+
+
 def test_waiter_still_waiting_at_the_end_is_reported_and_must_be_in_the_final_status() -> None:
     h = waiting_w()
     listed = [{"queueKey": Q, "holders": [{"sessionKey": "X"}], "waiting": [{"sessionKey": "W"}]}]
