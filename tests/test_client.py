@@ -247,7 +247,9 @@ def test_inside_blocking_the_keyed_beat_pauses_and_the_bare_heartbeat_keeps_the_
 
 
 def test_a_lost_lease_requeues_before_it_streams() -> None:
-    for d in started(config={"defaults": {"leaseTtlMs": 1000, "idleYieldMs": 300}}):
+    # W (a raw peer that never beats) must hold through the check: a TTL it outlives on a loaded
+    # machine would hand the slot to A before A is ever seen waiting.
+    for d in started(config={"defaults": {"leaseTtlMs": 10000, "idleYieldMs": 300}}):
         with client_for(d) as c:
             lease = c.acquire(K, "A")
             with d.peer() as waiter:
