@@ -4528,15 +4528,23 @@ class Proxy:
             return
         if ps.own:
             ps.session.close()
-        elif ok:
-            lease = ps.session.lease
-            if lease is not None and lease.held:
-                ps.session._mark(lease, False)  # nothing of the session streams now
-            ps.session.settle(park_after=self.hold_window(ps, ending))
-            # Forget the session once its grace has let the slot go (and no request came).
-            self.client.call_later(self.grace_ms / 1000.0 + 1.0, lambda: self._forget(key, ps))
-        else:
-            ps.session.abort()  # cancel: released at once
+            return
+        # A request of the session may have begun since `last` was decided, and may be streaming
+        # on the slot already: settling now would park a live holder.  Its begin() holds
+        # `starting` while it makes sure of the slot, so the check and the settle go under it.
+        with ps.starting:
+            with self._lock:
+                if ps.inflight > 0:
+                    return  # that request holds the slot now; its own end settles
+            if ok:
+                lease = ps.session.lease
+                if lease is not None and lease.held:
+                    ps.session._mark(lease, False)  # nothing of the session streams now
+                ps.session.settle(park_after=self.hold_window(ps, ending))
+                # Forget the session once its grace has let the slot go (and no request came).
+                self.client.call_later(self.grace_ms / 1000.0 + 1.0, lambda: self._forget(key, ps))
+            else:
+                ps.session.abort()  # cancel: released at once
 
     def _forget(self, key: str, ps: _ProxySession) -> None:
         with self._lock:

@@ -307,3 +307,41 @@ def test_named_sessions_are_forgotten_after_their_grace(stub: StubEndpoint, daem
         for i in range(5):
             assert chat_all(p.port, f"u{i}", f"/s/sess{i}/parent/v1/chat/completions")[0] == 200
         wait_for(lambda: not p.proxy._sessions, timeout=5)
+
+
+def test_a_response_that_ends_as_the_next_request_of_its_session_begins_never_parks_the_live_one(
+        stub: StubEndpoint, daemon: DaemonProc) -> None:
+    """The end of a response and the next request of the same session run in two threads.  If
+    the end decided "the session's last request" and settled after the next one had begun and was
+    streaming, it would park a live holder and a waiter would stream beside it.  Here the end is
+    held up (its hold rule sleeps) while the next request starts and a waiter queues."""
+    class SlowEnd(lq.Proxy):
+        def hold_window(self, ps: Any, ending: Optional[str]) -> Optional[float]:
+            if ps.session.session_key == "a" and not getattr(self, "held_up", False):
+                self.held_up = True
+                time.sleep(0.6)  # the next request begins meanwhile
+            return 0.0  # hand over at once
+
+    client = lq.Client(daemon.agent_dir, autostart=False, fail_open=False)
+    proxy = SlowEnd(stub.base, client=client, listen=("127.0.0.1", 0), slot_files=0)
+    threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True).start()
+    port = proxy.server.server_address[1]
+    try:
+        assert chat_all(port, "a-1", "/s/a/child/v1/chat/completions")[0] == 200
+        second = threading.Thread(target=chat_all, args=(port, "slow-a-2", "/s/a/child/v1/chat/completions"))
+        second.start()
+        wait_for(lambda: any(r["who"] == "slow-a-2" for r in chats(stub)))
+        other = threading.Thread(target=chat_all, args=(port, "b-1", "/s/b/child/v1/chat/completions"))
+        other.start()
+        wait_for(lambda: daemon.waiting(proxy.queue_key) == ["b"])
+        time.sleep(1.0)  # the held-up end has run by now
+        assert daemon.holders(proxy.queue_key) == ["a"]  # a streams: its slot was never parked away
+        assert not any(r["who"] == "b-1" for r in chats(stub))
+        stub.let_slow_finish()
+        second.join(10)
+        other.join(10)
+        assert_no_overlap(stub)
+    finally:
+        stub.let_slow_finish()
+        proxy.shutdown()
+        client.close()
