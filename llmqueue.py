@@ -184,6 +184,7 @@ class QueuePolicy(NamedTuple):
     aging_after_ms: int = 60000
     idle_yield_ms: int = 30000
     switch_cost: str = "auto"
+    parent_streams: int = 1  # spare streams beyond max_streams, for parents that ask for one
 
 
 DEFAULT_POLICY = QueuePolicy(max_streams=1)
@@ -197,6 +198,7 @@ _POLICY_FIELDS: Dict[str, Tuple[str, str]] = {
     "agingAfterMs": ("aging_after_ms", "nonneg"),
     "idleYieldMs": ("idle_yield_ms", "idle"),
     "switchCost": ("switch_cost", "switch"),
+    "parentStreams": ("parent_streams", "nonneg"),
 }
 _CLIENT_FIELDS = ("failOpen", "queueTimeoutMs", "blockingTools")
 _DAEMON_FIELDS = ("daemonIdleExitMs", "logFile")
@@ -750,10 +752,12 @@ RESUME_AHEAD = 1 << 62
 MAX_QUEUES = 1024
 
 
-def _who_json(session: str, role: int, group: Optional[str]) -> str:
-    """A holder's or waiter's entry in a status reply, encoded once."""
+def _who_json(session: str, role: int, group: Optional[str], spare: bool = False) -> str:
+    """A holder's or waiter's entry in a status reply, encoded once (``spare``, additive: a
+    holder on a parent's spare stream)."""
+    tail = ',"spare":true' if spare else ""
     return (f'{{"sessionKey":{_json_str(session)},"role":"{ROLES[role]}",'
-            f'"group":{"null" if group is None else _json_str(group)}}}')
+            f'"group":{"null" if group is None else _json_str(group)}{tail}}}')
 
 
 class Holder:
@@ -763,11 +767,11 @@ class Holder:
     __slots__ = (
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
         "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
-        "idle_since", "dead_ms",
+        "idle_since", "dead_ms", "spare",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
-                 terms: LeaseTerms, seq: int, key: str, now: float) -> None:
+                 terms: LeaseTerms, seq: int, key: str, now: float, spare: bool = False) -> None:
         self.queue = queue
         self.session = session
         self.role = role
@@ -782,7 +786,8 @@ class Holder:
         self.conns: set[Any] = set()
         self.held = True
         self.parked = False  # its client waits on another agent: the slot goes to any waiter at once
-        self.json = _who_json(session, role, group)  # its entry in status replies
+        self.spare = spare  # on one of the queue's spare streams (parents only), not one of max_streams
+        self.json = _who_json(session, role, group, spare)  # its entry in status replies
         # Dead time: since when it has had no request in flight (``busy: false``, or parked), and
         # the time it held the slot so while someone waited for it.
         self.idle_since: Optional[float] = None
@@ -809,11 +814,11 @@ class Waiter:
 
     __slots__ = (
         "queue", "session", "role", "group", "activity", "seq", "key",
-        "enqueued_at", "parent_mark", "targets", "version", "live", "json",
+        "enqueued_at", "parent_mark", "targets", "version", "live", "json", "spare",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
-                 seq: int, key: str, now: float) -> None:
+                 seq: int, key: str, now: float, spare: bool = False) -> None:
         self.queue = queue
         self.session = session
         self.role = role
@@ -826,6 +831,7 @@ class Waiter:
         self.targets: dict[Target, None] = {}  # ordered, and O(1) to test
         self.version = 0  # bumped on re-tier and on a move: heap entries of older versions are dead
         self.live = True
+        self.spare = spare  # it may take a spare stream (as a parent) when every slot is held
         self.json = _who_json(session, role, group)  # its entry in status replies; redone on re-tier
 
     def __repr__(self) -> str:
@@ -971,12 +977,14 @@ Event = Union[Granted, Queued, Dequeued, Released, Evicted, Moved, OverCapacity,
 class _Queue:
     """One slot set: its holders in grant order, its waiters in enqueue order, and per tier a
     heap of waiters for the pick.  ``extra`` holds the rare second lease of a session already in
-    ``holders``: a reload that merges two queues a session held in keeps both of its streams."""
+    ``holders``: a reload that merges two queues a session held in keeps both of its streams.
+    ``spares`` counts the holders on spare streams: beyond ``max_streams``, up to
+    ``parent_streams`` of them, for parents that asked for one (``acquire`` with ``spare``)."""
 
     __slots__ = (
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
-        "evictions", "dead_ms", "dead_by_session",
+        "evictions", "dead_ms", "dead_by_session", "spares",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -985,6 +993,7 @@ class _Queue:
         self.configured = configured  # named by the config: never forgotten while empty
         self.holders: dict[str, Holder] = {}
         self.extra: list[Holder] = []
+        self.spares = 0
         self.waiting: dict[str, Waiter] = {}
         self.heaps: tuple[list[tuple[int, int, Waiter]], list[tuple[int, int, Waiter]]] = ([], [])
         self.dead = [0, 0]  # dead entries per heap, for compaction
@@ -1005,8 +1014,28 @@ class _Queue:
         return len(self.holders) + len(self.extra)
 
     def has_room(self) -> bool:
+        """A free slot of ``max_streams`` (spare streams do not count against them)."""
         limit = self.policy.max_streams
-        return limit is None or self.held() < limit
+        return limit is None or self.held() - self.spares < limit
+
+    def spare_room(self) -> bool:
+        """A spare stream a parent may take: one is free, and subagents hold every slot of
+        ``max_streams`` (a parent waits for another parent, as the spec says)."""
+        return (self.spares < self.policy.parent_streams
+                and not any(h.role == PARENT and not h.spare for h in self.all_holders()))
+
+    def frees_for_waiter(self, holder: Holder) -> bool:
+        """Whether ``holder``'s slot, given up, would go to a waiter: a spare stream only to the
+        head parent, when it asked for one; a slot of ``max_streams`` to anyone (while the queue
+        is not left over capacity by a reload)."""
+        limit = self.policy.max_streams
+        if limit is None:
+            return True
+        if holder.spare:
+            w = self.head(PARENT)
+            return (w is not None and w.spare and self.spares <= self.policy.parent_streams
+                    and not any(h.role == PARENT and not h.spare for h in self.all_holders()))
+        return self.held() - self.spares <= limit
 
     def empty(self) -> bool:
         return not self.holders and not self.extra and not self.waiting
@@ -1025,6 +1054,7 @@ class _Queue:
 
     def reset(self) -> None:
         self.holders, self.extra, self.waiting = {}, [], {}
+        self.spares = 0
         self.heaps, self.dead = ([], []), [0, 0]
         self.idle = OrderedDict()
         self.parked = OrderedDict()
@@ -1109,12 +1139,15 @@ class Scheduler:
 
     def acquire(self, conn: Conn, key: str, session: str, role: str = "parent",
                 group: Optional[str] = None, activity: bool = False, *, now: float,
-                resume: bool = False) -> list[Event]:
+                resume: bool = False, spare: bool = False) -> list[Event]:
         """A session asks for a slot of the queue ``key`` names.  Granted at once when a slot is
         free (or the queue is passthrough); otherwise queued by tier.  A session that already
         holds is re-granted without a second slot; one already waiting is not queued twice.
         ``resume``: a child that just handed its slot back to a waiting parent queues ahead of
-        the other children (its context is the warmest); ``fifo`` queues ignore it."""
+        the other children (its context is the warmest); ``fifo`` queues ignore it.
+        ``spare``: a parent that finds every slot held by children takes one of the queue's
+        spare streams (``parent_streams``) when one is free and no parent waits ahead of it, so
+        it streams beside the children instead of waiting for them; children never use those."""
         tier = ROLES.index(role)
         q = self._queue_for(key)
         holder = q.holder_for(key, session)
@@ -1128,15 +1161,17 @@ class Scheduler:
                 w.targets[(conn, key)] = None
                 self._conn_waiters.setdefault(conn, set()).add(w)
             return []
-        if q.has_room():
-            holder = self._grant(q, session, tier, group, activity, key, now)
+        spare = spare and tier == PARENT
+        room = q.has_room()
+        if room or spare and q.spare_room() and q.head(PARENT) is None:
+            holder = self._grant(q, session, tier, group, activity, key, now, spare=not room)
             self._attach(holder, conn)
             return [Granted(q.key, holder, ((conn, key),))]
         self._seq += 1
         seq = self._seq
         if resume and tier == CHILD and q.policy.policy != "fifo":
             seq -= RESUME_AHEAD  # ahead of every child queued the usual way, FIFO among resumers
-        w = Waiter(q, session, tier, group, activity, seq, key, now)
+        w = Waiter(q, session, tier, group, activity, seq, key, now, spare)
         w.targets[(conn, key)] = None
         q.queued += 1
         self._enqueue(q, w)
@@ -1171,8 +1206,10 @@ class Scheduler:
 
     def set_role(self, session: str, role: str, *, now: float) -> list[Event]:
         """Re-tier the session's live waiters in place (their enqueue order is kept).  A holder
-        keeps the tier it was granted with.  Nothing is granted: no slot freed."""
+        keeps the tier it was granted with.  No slot is freed, but a parent that asked for a spare
+        stream may now head the parents and take one."""
         tier = ROLES.index(role)
+        events: list[Event] = []
         for w in list(self._session_waiters.get(session, ())):
             if w.role != tier:
                 old, w.role = w.role, tier
@@ -1180,7 +1217,8 @@ class Scheduler:
                 w.version += 1
                 w.queue.bury(old)
                 w.queue.push(w)
-        return []
+                self._fill(w.queue, now, events)
+        return events
 
     def renew(self, conn: Conn, *, now: float) -> int:
         """A bare heartbeat: refresh the TTL of every lease the connection holds; their count."""
@@ -1339,10 +1377,13 @@ class Scheduler:
             self._idle_due.add(holder.queue)
         for q in sorted(self._idle_due, key=lambda q: q.key):
             while q.waiting and q.idle:
-                holder = next(iter(q.idle))
+                # a spare stream's idle holder yields only to a parent that can take the stream
+                idler = next((h for h in q.idle if not h.spare or q.frees_for_waiter(h)), None)
+                if idler is None:
+                    break
                 q.idle_yields += 1
-                holder.idle_since = min(holder.idle_since or holder.last_activity, holder.last_activity)
-                self._drop_lease(holder, Released(q.key, holder, "idle"), events, now)
+                idler.idle_since = min(idler.idle_since or idler.last_activity, idler.last_activity)
+                self._drop_lease(idler, Released(q.key, idler, "idle"), events, now)
                 self._fill(q, now, events)
             touched.append(q)
         self._idle_due.clear()
@@ -1382,6 +1423,8 @@ class Scheduler:
                 q.extra.append(h)  # the same session held in two queues that merged: both stay
             else:
                 q.holders[h.session] = h
+            if h.spare:
+                q.spares += 1
             if h.parked:
                 q.parked[h] = None
             if h.idle_at is not None:
@@ -1394,7 +1437,7 @@ class Scheduler:
                 groups.setdefault(self._queue_for(target[1]), []).append(target)
             for i, (q, targets) in enumerate(groups.items()):
                 mine = w if i == 0 else Waiter(q, w.session, w.role, w.group, w.activity, w.seq, targets[0][1],
-                                               w.enqueued_at)
+                                               w.enqueued_at, w.spare)
                 mine.targets = dict.fromkeys(targets)
                 mine.key = targets[0][1]
                 holding = q.holders.get(w.session)
@@ -1424,7 +1467,7 @@ class Scheduler:
         for q in list(self._queues.values()):
             self._refill(q, now, events)
             limit = q.policy.max_streams
-            if limit is not None and q.held() > limit:
+            if limit is not None and (q.held() - q.spares > limit or q.spares > q.policy.parent_streams):
                 events.append(OverCapacity(q.key, q.held(), limit))
             self._settle(q)
         self._compact()
@@ -1447,6 +1490,7 @@ class Scheduler:
             head: dict[str, Any] = {
                 "queueKey": q.key,
                 "maxStreams": q.policy.max_streams,
+                "parentStreams": q.policy.parent_streams,  # additive: parents' spare streams
                 "switches": q.switches,
                 "grants": q.grants,
                 "queued": q.queued,
@@ -1510,14 +1554,17 @@ class Scheduler:
         heapq.heapify(self._idle_heap)
 
     def _grant(self, q: _Queue, session: str, tier: int, group: Optional[str], activity: bool,
-               key: str, now: float) -> Holder:
+               key: str, now: float, spare: bool = False) -> Holder:
         self._grant_seq += 1
         q.grants += 1
-        if tier == PARENT:
-            q.parent_grants += 1
-        else:
+        if tier == CHILD:
             q.child_mark = q.parent_grants
-        holder = Holder(q, session, tier, group, activity, LeaseTerms.of(q.policy), self._grant_seq, key, now)
+        elif not spare:  # a spare stream took no child's slot: it does not age the children
+            q.parent_grants += 1
+        holder = Holder(q, session, tier, group, activity, LeaseTerms.of(q.policy), self._grant_seq, key, now,
+                        spare)
+        if spare:
+            q.spares += 1
         q.holders[session] = holder
         self._held += 1
         self._push(self._ttl_heap, holder.expires_at, holder)
@@ -1593,7 +1640,10 @@ class Scheduler:
             return
         holder.idle_since = None
         q = holder.queue
-        heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD)) if w is not None]
+        # who could have used the slot: anyone for a slot of max_streams, a parent that asked for
+        # one for a spare stream
+        heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD))
+                 if w is not None and (w.spare or not holder.spare)]
         if not heads:
             return
         dead = now - max(since, min(heads))
@@ -1616,6 +1666,8 @@ class Scheduler:
         holder.held = False
         self._held -= 1
         q = holder.queue
+        if holder.spare:
+            q.spares -= 1
         if q.holders.get(holder.session) is holder:
             del q.holders[holder.session]
             for i, other in enumerate(q.extra):  # a merged twin takes its place
@@ -1653,9 +1705,10 @@ class Scheduler:
         oldest parked first, while that grants someone (a queue left over capacity by a reload
         gains nothing from a yield)."""
         self._fill(q, now, events)
-        limit = q.policy.max_streams
-        while q.waiting and q.parked and (limit is None or q.held() <= limit):
-            holder = next(iter(q.parked))
+        while q.waiting and q.parked:
+            holder = next((h for h in q.parked if q.frees_for_waiter(h)), None)
+            if holder is None:
+                break
             q.park_yields += 1
             self._drop_lease(holder, Released(q.key, holder, "parked"), events, now)
             self._fill(q, now, events)
@@ -1676,9 +1729,17 @@ class Scheduler:
         return parent
 
     def _fill(self, q: _Queue, now: float, events: list[Event]) -> None:
-        """Grant waiters into free slots, by tier and age, until the queue is full or empty."""
-        while q.waiting and q.has_room():
-            w = self._pick(q, now)
+        """Grant waiters into free slots, by tier and age, until the queue is full or empty;
+        then the head parent into a spare stream, if it asked for one and one is free."""
+        while q.waiting:
+            spare = not q.has_room()
+            if spare:
+                head = q.head(PARENT)
+                if head is None or not head.spare or not q.spare_room():
+                    return
+                w: Optional[Waiter] = head
+            else:
+                w = self._pick(q, now)
             if w is None:  # pragma: no cover - waiting and the heaps always agree
                 raise AssertionError(f"{q.key}: waiters without heap entries")
             alive = {conn: self.alive(conn) for conn in {t[0] for t in w.targets}}
@@ -1687,7 +1748,7 @@ class Scheduler:
             if not targets:  # everyone who asked has gone: never grant a dead waiter
                 events.append(Dequeued(q.key, w, "disconnect"))
                 continue
-            holder = self._grant(q, w.session, w.role, w.group, w.activity, targets[0][1], now)
+            holder = self._grant(q, w.session, w.role, w.group, w.activity, targets[0][1], now, spare)
             for conn, _ in targets:
                 self._attach(holder, conn)
             q.switches += 1
@@ -1724,6 +1785,7 @@ class Request(NamedTuple):
     prefilled: Optional[int] = None  # additive, the usage op: prompt tokens the server computed
     reused: Optional[int] = None  # ... and those it served from its cache
     busy: Optional[bool] = None  # additive, on a keyed renew: whether a request is in flight
+    spare: bool = False  # additive, on acquire: a parent may take a spare stream when every slot is held
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -1798,6 +1860,9 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     busy = msg.get("busy")
     if busy is not None and not isinstance(busy, bool):
         raise ProtocolError(f"busy must be true or false (got {_show(busy)})")
+    spare = msg.get("spare")
+    if spare is not None and not isinstance(spare, bool):
+        raise ProtocolError(f"spare must be true or false (got {_show(spare)})")
     if op in _KEYED_OPS and queue_key is None:
         raise ProtocolError(f"{op} requires queueKey")
     if op == "role" and role is None:
@@ -1814,7 +1879,7 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     if op == "usage" and counts == [None, None]:
         raise ProtocolError("usage requires prefilled or reused")
     return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume),
-                   counts[0], counts[1], busy)
+                   counts[0], counts[1], busy, bool(spare))
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -1826,9 +1891,11 @@ _OK = b'{"op":"ok"}\n'
 
 def encode_granted(key: str, holder: Holder) -> bytes:
     """The ``granted`` reply: the key the client asked with, its session, the lease's terms, and
-    the per-queue grant sequence number.  (Built by hand: it is on every handoff's path.)"""
+    the per-queue grant sequence number, and (additive) ``spare: true`` on a parent's spare
+    stream.  (Built by hand: it is on every handoff's path.)"""
+    spare = ',"spare":true' if holder.spare else ""
     return (f'{{"op":"granted","queueKey":{_json_str(key)},"sessionKey":{_json_str(holder.session)},'
-            f'{holder.terms.wire_json()},"seq":{holder.seq}}}\n').encode()
+            f'{holder.terms.wire_json()},"seq":{holder.seq}{spare}}}\n').encode()
 
 
 def encode_released(key: str, session: Optional[str]) -> bytes:
@@ -1890,6 +1957,8 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
         if not event.new:
             return []
         lines = [dict(event="grant", seq=holder.seq, **base)]
+        if holder.spare:
+            lines[0]["spare"] = True  # additive: on a parent's spare stream, beside max_streams
         if event.switch:
             lines.append(dict(event="switch", seq=holder.seq, **base))
         return lines
@@ -2331,7 +2400,7 @@ class Daemon:
         if op == "acquire":
             assert req.queue_key is not None
             self._apply(sched.acquire(c, req.queue_key, session, req.role or "parent", req.group,
-                                      req.activity, now=now, resume=req.resume))
+                                      req.activity, now=now, resume=req.resume, spare=req.spare))
         elif op == "release":
             assert req.queue_key is not None
             self._apply(sched.release(req.queue_key, session, now=now))
@@ -2761,13 +2830,14 @@ class Lease:
     """
 
     def __init__(self, client: Client, queue_key: str, session_key: str, role: str,
-                 group: Optional[str], activity: bool) -> None:
+                 group: Optional[str], activity: bool, spare: bool = False) -> None:
         self.client = client
         self.queue_key = queue_key
         self.session_key = session_key
         self.role = role
         self.group = group
         self.activity = activity
+        self.spare = spare and role == "parent"  # may take a parent's spare stream when every slot is held
         self.terms = LeaseTerms.of(DEFAULT_POLICY)
         self.seq: Optional[int] = None
         self.queued = False
@@ -3119,9 +3189,12 @@ class Client:
 
     def acquire(self, queue_key: str, session_key: Optional[str] = None, role: str = "parent",
                 group: Optional[str] = None, activity: bool = True,
-                timeout: Optional[float] = None) -> Lease:
+                timeout: Optional[float] = None, spare: bool = False) -> Lease:
         """Wait for a slot of ``queue_key`` and return the Lease.  ``timeout`` (seconds) cancels
-        the request and raises TimeoutError; another thread's ``cancel`` raises Cancelled."""
+        the request and raises TimeoutError; another thread's ``cancel`` raises Cancelled.
+        ``spare``: a parent that finds every slot held by others streams at once on one of the
+        queue's spare streams (``parentStreams``, 1 by default) if one is free; for a server
+        that runs more than one request at a time."""
         if not isinstance(queue_key, str) or not queue_key:
             raise ValueError("queue_key must be a non-empty string")
         if role not in ROLES:
@@ -3130,7 +3203,7 @@ class Client:
             with self._cv:
                 self._sessions_made += 1
                 session_key = f"pid{os.getpid()}-{self._sessions_made}"
-        lease = Lease(self, queue_key, session_key, role, group, activity)
+        lease = Lease(self, queue_key, session_key, role, group, activity, spare)
         self._wait_for_grant(lease, timeout)
         return lease
 
@@ -3184,6 +3257,8 @@ class Client:
                        "role": lease.role, "group": lease.group, "activity": lease.activity}
             if lease._resume:
                 message["resume"] = True
+            if lease.spare:
+                message["spare"] = True
             # The greeting and the acquire go in one write, so the daemon reads them in one turn:
             # it can never answer the greeting and then exit idle before the acquire arrives.
             greeting = [{"op": "renew"}] if greet else []
@@ -3390,11 +3465,14 @@ class Client:
 
     def session(self, queue_key: str, session_key: Optional[str] = None, role: str = "parent",
                 group: Optional[str] = None, grace_ms: int = GRACE_MS,
-                yield_on_settle: Optional[bool] = None, slots: Optional[SlotStore] = None) -> Session:
+                yield_on_settle: Optional[bool] = None, slots: Optional[SlotStore] = None,
+                spare: Optional[bool] = None) -> Session:
         """A Session: turn-based affinity for one agent session on one queue.  ``slots``: the
         model server's SlotStore (one per server, shared by the sessions), to park contexts in
-        llama.cpp's slot files at a switch."""
-        return Session(self, queue_key, session_key, role, group, grace_ms, yield_on_settle, slots)
+        llama.cpp's slot files at a switch.  ``spare``: whether a parent streams beside the
+        subagents on a spare stream rather than wait for them (None: yes, unless ``slots`` knows
+        the server runs one request at a time)."""
+        return Session(self, queue_key, session_key, role, group, grace_ms, yield_on_settle, slots, spare)
 
     def close(self) -> None:
         """Say ``bye`` (everything this process holds or queued is let go now) and disconnect.
@@ -3530,11 +3608,13 @@ class Session:
 
     def __init__(self, client: Client, queue_key: str, session_key: Optional[str] = None,
                  role: str = "parent", group: Optional[str] = None, grace_ms: int = GRACE_MS,
-                 yield_on_settle: Optional[bool] = None, slots: Optional[SlotStore] = None) -> None:
+                 yield_on_settle: Optional[bool] = None, slots: Optional[SlotStore] = None,
+                 spare: Optional[bool] = None) -> None:
         import uuid
 
         self.client = client
         self.slots = slots  # llama.cpp's slot files: a switch saves the context it would evict
+        self.spare = spare  # a parent's spare stream beside the subagents; None: unless one slot
         self.queue_key = queue_key
         self.session_key = session_key or str(uuid.uuid4())
         self.slot_key: Optional[str] = self.session_key  # None: its context is never saved
@@ -3577,8 +3657,11 @@ class Session:
             lease = self.lease
         if lease is not None and not lease.released:
             return lease.ensure(timeout)
+        spare = self.spare
+        if spare is None:  # where the server runs one request at a time, a spare stream buys nothing
+            spare = self.role == "parent" and (self.slots is None or self.slots.total_slots() != 1)
         lease = self.client.acquire(self.queue_key, self.session_key, self.role, self.group,
-                                    activity=True, timeout=timeout)
+                                    activity=True, timeout=timeout, spare=spare)
         with self._lock:
             self.lease = lease
         return lease
@@ -4224,6 +4307,8 @@ class SlotStore:
         self._last: Optional[str] = None  # whose request ran on the slot last (as far as we know)
         self._probed = False
         self._off_until = 0.0  # monotonic: off (no slot files there) until then
+        self._total: Optional[int] = None  # the server's slot count, once its /props said
+        self._total_asked = float("-inf")  # monotonic: when /props was last asked for it
         self.active = False
         self.switch_s = 0.0
         self.saves = self.restores = self.failures = 0
@@ -4253,11 +4338,34 @@ class SlotStore:
         self._probed = False
         self._off_until = time.monotonic() + for_s
 
+    def _props_slots(self, props: Any) -> Optional[int]:
+        total = props.get("total_slots") if isinstance(props, dict) else None
+        if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+            self._total = total
+            return total
+        return None
+
+    def total_slots(self) -> Optional[int]:
+        """How many requests the server runs at once, as its ``/props`` says (``total_slots``),
+        or None when it does not say (not llama.cpp, or not reachable).  Asked once, and again at
+        most every ``SLOT_RETRY_S`` while unknown."""
+        with self._lock:
+            now = time.monotonic()
+            if self._total is None and now - self._total_asked >= SLOT_RETRY_S:
+                self._total_asked = now
+                try:
+                    status, props = self._call("GET", "/props")
+                    if status == 200:
+                        self._props_slots(props)
+                except Exception:  # OSError, http.client.HTTPException: unknown for now
+                    pass
+            return self._total
+
     def _probe(self) -> bool:
         """One slot and slot files there?  Saves the slot as it is (whatever is in it) to find out."""
         self._probed = True
         status, props = self._call("GET", "/props")
-        if status != 200 or not isinstance(props, dict) or props.get("total_slots") != 1:
+        if status != 200 or self._props_slots(props) != 1:
             return False
         status, _ = self._call("POST", "/slots/0?action=save", {"filename": f"{self.files.prefix}-probe.bin"})
         return status == 200
@@ -5395,7 +5503,10 @@ def format_status(queues: list[dict[str, Any]]) -> str:
         limit = q.get("maxStreams")
         holders = q.get("holders") or []
         waiting = q.get("waiting") or []
-        slots = "passthrough" if limit is None else f"{len(holders)}/{limit}"
+        spares = sum(1 for h in holders if h.get("spare") is True)
+        slots = "passthrough" if limit is None else f"{len(holders) - spares}/{limit}"
+        if spares:
+            slots += f" +{spares} spare"
         depth = {role: sum(1 for w in waiting if w.get("role") == role) for role in ROLES}
         out.append(f"{q.get('queueKey')}  {slots}  waiting: {depth['parent']} parent, "
                    f"{depth['child']} child  switches: {q.get('switches', 0)}")
@@ -5413,7 +5524,8 @@ def format_status(queues: list[dict[str, Any]]) -> str:
         for label, people in (("holds", holders), ("waits", waiting)):
             for p in people:
                 group = f" [{p['group']}]" if p.get("group") else ""
-                out.append(f"  {label}  {p.get('sessionKey')} {p.get('role')}{group}")
+                spare = " (spare stream)" if p.get("spare") is True else ""
+                out.append(f"  {label}  {p.get('sessionKey')} {p.get('role')}{group}{spare}")
     return "\n".join(out) + "\n"
 
 

@@ -56,7 +56,9 @@ meaningful.
 
 Rules (``Violation.rule``)
 --------------------------
-``capacity`` (a)  a grant while the queue already has ``maxStreams`` holders.  A ``config`` line
+``capacity`` (a)  a grant while the queue already has ``maxStreams`` holders (a grant line with
+                  ``spare: true`` is a parent's spare stream: counted against ``parentStreams``
+                  instead, and only while children hold every slot).  A ``config`` line
                   (``reason: over-capacity``) lowers the queue's limit from there on: its holders
                   keep their slots and the queue grants nothing until it is back under the limit.
                   From the transcripts: more client-side holds of a queue at once than
@@ -67,7 +69,9 @@ Rules (``Violation.rule``)
                   waiting parent must be the oldest child and have waited ``agingAfterMs`` or
                   seen ``agingAfterSlots`` parent grants in a row since it queued (counted from
                   the log: parent grants since its ``queued`` line and since the last child
-                  grant).  A grant straight into a free slot while someone waits is a queue jump.
+                  grant).  A grant straight into a free slot while someone waits is a queue jump
+                  (a spare stream's while only children wait is none: they cannot take it).
+                  A spare stream goes to the oldest waiting parent.
                   A waiter's tier is the ``queued`` line's role as changed by its session's
                   ``role`` requests in the transcripts (a ``role`` whose processing window
                   straddles the grant leaves both tiers possible); the granted waiter's tier is
@@ -154,11 +158,12 @@ class QueueSpec(NamedTuple):
     aging_after_slots: int = 3
     aging_after_ms: int = 60000
     idle_yield_ms: int = 30000
+    parent_streams: int = 1  # spare streams beyond maxStreams, for parents (grant lines say spare)
 
 
 _SPEC_FIELDS = {"maxStreams": "max_streams", "policy": "policy", "leaseTtlMs": "lease_ttl_ms",
                 "agingAfterSlots": "aging_after_slots", "agingAfterMs": "aging_after_ms",
-                "idleYieldMs": "idle_yield_ms"}
+                "idleYieldMs": "idle_yield_ms", "parentStreams": "parent_streams"}
 
 
 def specs_from_config(config: Mapping[str, Any]) -> Tuple[QueueSpec, Dict[str, QueueSpec]]:
@@ -528,9 +533,11 @@ class _Waiter:
 
 
 class _Lease:
-    __slots__ = ("queue", "session", "seq", "role", "ts", "line", "end", "end_reason", "end_line")
+    __slots__ = ("queue", "session", "seq", "role", "ts", "line", "end", "end_reason", "end_line", "spare")
 
-    def __init__(self, queue: str, session: str, seq: Optional[int], role: str, ts: float, line: int) -> None:
+    def __init__(self, queue: str, session: str, seq: Optional[int], role: str, ts: float, line: int,
+                 spare: bool = False) -> None:
+        self.spare = spare  # on a parent's spare stream: counted against parentStreams, not maxStreams
         self.queue = queue
         self.session = session
         self.seq = seq
@@ -634,7 +641,7 @@ class HistoryChecker:
         if event == "queued":
             self._queued(q, session, role, ts, n, at)
         elif event == "grant":
-            self._grant(q, session, role, line.get("seq"), ts, n, at)
+            self._grant(q, session, role, line.get("seq"), ts, n, at, line.get("spare") is True)
         elif event == "switch":
             seq = line.get("seq")
             if q.expect_switch != (session, seq if isinstance(seq, int) else None):
@@ -699,11 +706,13 @@ class HistoryChecker:
         if session in q.waiting:
             r.add("waiter", q.key, f"{session} queued twice", at)
             return
-        if q.limit is None or len(q.holders) < q.limit:
-            r.add("order", q.key, f"{session} queued while a slot was free ({len(q.holders)}/{q.limit})", at)
+        regular = sum(1 for h in q.holders.values() if not h.spare)
+        if q.limit is None or regular < q.limit:
+            r.add("order", q.key, f"{session} queued while a slot was free ({regular}/{q.limit})", at)
         q.waiting[session] = _Waiter(session, role, ts, n, q.parent_grants)
 
-    def _grant(self, q: _QueueState, session: str, role: str, seq: Any, ts: float, n: int, at: str) -> None:
+    def _grant(self, q: _QueueState, session: str, role: str, seq: Any, ts: float, n: int, at: str,
+               spare: bool = False) -> None:
         r = self.report
         r.stats["grants replayed"] += 1
         if not isinstance(seq, int):
@@ -715,24 +724,39 @@ class HistoryChecker:
             q.last_seq = seq if q.last_seq is None else max(q.last_seq, seq)
         if session in q.holders:
             r.add("double-hold", q.key, f"{session} granted while it already holds seq {q.holders[session].seq}", at)
-        if q.limit is not None and len(q.holders) >= q.limit:
-            r.add("capacity", q.key, f"{session} granted with {len(q.holders)} holders already "
-                  f"(maxStreams {q.limit}): {sorted(q.holders)}", at)
+        regular = [h for h in q.holders.values() if not h.spare]
+        if spare:  # a parent's spare stream: only when children hold every slot, and a spare is free
+            spares = len(q.holders) - len(regular)
+            if role != PARENT or spares >= q.spec.parent_streams or any(h.role == PARENT for h in regular):
+                r.add("capacity", q.key, f"{session} ({role}) granted a spare stream with {spares} spare "
+                      f"(parentStreams {q.spec.parent_streams}) beside {sorted((h.session, h.role) for h in regular)}",
+                      at)
+        elif q.limit is not None and len(regular) >= q.limit:
+            r.add("capacity", q.key, f"{session} granted with {len(regular)} holders already "
+                  f"(maxStreams {q.limit}): {sorted(h.session for h in regular)}", at)
         w = q.waiting.get(session)
-        if w is not None:
+        if w is not None and spare:  # FIFO among the parents (children cannot take the stream)
+            older = list(q.waiting)[:list(q.waiting).index(session)]
+            if any(q.waiting[o].role == PARENT and not q.waiting[o].ops for o in older):
+                r.add("order", q.key, f"{session} granted a spare stream ahead of an older parent", at)
+            self._check_alive(q, session, ts, at)
+            del q.waiting[session]
+            q.expect_switch = (session, seq)
+            r.stats["switches replayed"] += 1
+        elif w is not None:
             self._check_pick(q, w, role, ts, at)
             self._check_alive(q, session, ts, at)
             del q.waiting[session]
             q.expect_switch = (session, seq)
             r.stats["switches replayed"] += 1
-        elif q.waiting:
+        elif q.waiting and not (spare and all(o.role == CHILD for o in q.waiting.values())):
             first = next(iter(q.waiting))
             r.add("order", q.key, f"{session} granted straight into a free slot while {first} and "
                   f"{len(q.waiting) - 1} more waited", at)
-        lease = _Lease(q.key, session, seq, role, ts, n)
+        lease = _Lease(q.key, session, seq, role, ts, n, spare)
         q.holders[session] = lease
         self.leases[(q.key, session)].append(lease)
-        if role == PARENT:
+        if role == PARENT and not spare:  # a spare stream took no child's slot: no aging
             q.parent_grants += 1
         else:
             q.child_mark = q.parent_grants
@@ -1006,6 +1030,8 @@ class HistoryChecker:
         r = self.report
         log_seqs: Set[Tuple[str, str, Optional[int]]] = {
             (l.queue, l.session, l.seq) for ls in self.leases.values() for l in ls}
+        spare_seqs: Set[Tuple[str, str, Optional[int]]] = {
+            (l.queue, l.session, l.seq) for ls in self.leases.values() for l in ls if l.spare}
         holds: List[Hold] = []
         for c in self.tx.conns.values():
             for g in c.grants:
@@ -1019,6 +1045,7 @@ class HistoryChecker:
             by_queue[h.queue].append(h)
         for queue, hs in by_queue.items():
             limit = self.spec(queue).max_streams
+            spare_limit = self.spec(queue).parent_streams
             edges = sorted([(h.start, 1, h) for h in hs if h.end > h.start]
                            + [(h.end, -1, h) for h in hs if h.end > h.start], key=lambda e: (e[0], e[1]))
             live: Dict[Tuple[str, str], Hold] = {}
@@ -1036,7 +1063,8 @@ class HistoryChecker:
                 live[(h.conn, h.session)] = h
                 count = len({(o.session, o.seq) for o in live.values()})
                 peak = max(peak, count)
-                if limit is not None and count > limit and not reported:
+                spares = len({(o.session, o.seq) for o in live.values() if (queue, o.session, o.seq) in spare_seqs})
+                if limit is not None and (count - spares > limit or spares > spare_limit) and not reported:
                     reported = True
                     r.add("capacity", queue, f"{count} clients held at once (maxStreams {limit}): "
                           f"{sorted((o.session, o.seq) for o in live.values())}", f"transcript {h.conn}")

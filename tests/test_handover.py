@@ -155,7 +155,9 @@ def client_of(d: DaemonProc) -> Iterator[lq.Client]:
 def test_blocking_hands_the_slot_to_a_waiting_session_at_once_and_the_next_request_queues_again() -> None:
     for d in started():  # the default idle-yield window: 30 s
         with client_of(d) as client:
-            parent = client.session(K, "parent", "parent")
+            # spare=False: a parent that comes back while its subagent holds would otherwise
+            # stream beside it on a spare stream (test_spare.py); here it queues again
+            parent = client.session(K, "parent", "parent", spare=False)
             with parent.run():
                 other = grant_after(client, "sub1", "child")
                 wait_for(lambda: d.waiting(K) == ["sub1"])

@@ -163,6 +163,39 @@ def test_capacity_an_over_capacity_reload_excuses_its_holders_but_not_a_grant_be
     assert rules(report) == ["capacity"] and "C granted with 1 holders" in report.violations[0].message
 
 
+def test_capacity_a_parents_spare_stream_counts_against_parent_streams_and_only_beside_children() -> None:
+    def spare(h: H, t: float, session: str, seq: int, role: str = "parent") -> H:
+        return h.ev(t, "grant", session, role, seq=seq, spare=True)
+    assert rules(spare(H().grant(0, "C", 1, "child"), 5, "P", 2).check()) == []
+    assert rules(spare(H().grant(0, "A", 1), 5, "P", 2).check()) == ["capacity"]  # beside a parent
+    assert rules(spare(H().grant(0, "C", 1, "child"), 5, "D", 2, "child").check()) == ["capacity"]
+    two = spare(spare(H().grant(0, "C", 1, "child"), 5, "P", 2), 6, "Q", 3)
+    assert rules(two.check()) == ["capacity"]
+    assert rules(two.check(SPEC._replace(parent_streams=2))) == []
+    assert rules(spare(H().grant(0, "C", 1, "child"), 5, "P", 2).check(SPEC._replace(parent_streams=0))) == [
+        "capacity"]
+
+
+def test_order_a_spare_stream_granted_while_only_children_wait_is_no_queue_jump() -> None:
+    h = H().grant(0, "C", 1, "child").ev(1, "queued", "D", "child")
+    assert rules(H.ev(h, 5, "grant", "P", seq=2, spare=True).check()) == []
+    h = H().grant(0, "C", 1, "child").ev(1, "queued", "OLD")
+    assert rules(H.ev(h, 5, "grant", "P", seq=2, spare=True).check()) == ["order"]
+
+
+def test_capacity_a_spare_holds_overlap_with_a_childs_is_no_violation_client_side() -> None:
+    h = H()
+    h.send("c", 0, op="acquire", queueKey=Q, sessionKey="C", role="child")
+    h.grant(1, "C", 1, "child").granted("c", 2, "C", 1).beat("c", 3, "C")
+    h.send("p", 10, op="acquire", queueKey=Q, sessionKey="P", role="parent", spare=True)
+    h.ev(11, "grant", "P", seq=2, spare=True).granted("p", 12, "P", 2).beat("p", 13, "P")
+    h.send("c", 100, op="release", queueKey=Q, sessionKey="C").ev(101, "release", "C", "child", reason="release")
+    h.send("p", 100, op="release", queueKey=Q, sessionKey="P").ev(101, "release", "P", reason="release")
+    report = h.check()
+    clean(report)
+    assert report.max_client_holds == {Q: 2}
+
+
 def test_capacity_client_holds_that_overlap_beyond_max_streams_are_flagged_from_transcripts_alone() -> None:
     h = H()
     for conn, seq in (("a", 1), ("b", 2)):

@@ -213,14 +213,14 @@ def test_daemon_down_fail_open_forwards_unqueued_with_one_warning(stub: StubEndp
         assert chat_all(p.port, "a")[0] == 200
         assert chat_all(p.port, "b")[0] == 200
         assert len(p.warnings) == 1 and "unqueued" in p.warnings[0]
-        assert [r["who"] for r in stub.records] == ["a", "b"]
+        assert [r["who"] for r in chats(stub)] == ["a", "b"]
 
 
 def test_daemon_down_fail_closed_is_a_503(stub: StubEndpoint) -> None:
     for p in open_proxy(stub.base, short_tmpdir(), fail_open=False):
         status, body = chat_all(p.port, "a")
         assert status == 503 and json.loads(body)["error"]["type"] == "llmqueue_unavailable"
-        assert stub.records == []
+        assert chats(stub) == []  # the request never reached the upstream (only a look at its /props)
 
 
 def test_requests_are_forwarded_unchanged_less_hop_by_hop_headers(stub: StubEndpoint, daemon: DaemonProc) -> None:
