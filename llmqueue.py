@@ -1643,7 +1643,7 @@ class Scheduler:
         # who could have used the slot: anyone for a slot of max_streams, a parent that asked for
         # one for a spare stream
         heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD))
-                 if w is not None and (w.spare or not holder.spare)]
+                 if w is not None and (not holder.spare or w.spare and w.role == PARENT)]
         if not heads:
             return
         dead = now - max(since, min(heads))
@@ -4313,11 +4313,12 @@ class SlotStore:
         self.switch_s = 0.0
         self.saves = self.restores = self.failures = 0
 
-    def _call(self, method: str, path: str, body: Optional[dict[str, Any]] = None) -> tuple[int, Any]:
+    def _call(self, method: str, path: str, body: Optional[dict[str, Any]] = None,
+              timeout: Optional[float] = None) -> tuple[int, Any]:
         import http.client
 
         cls = http.client.HTTPSConnection if self._target.scheme == "https" else http.client.HTTPConnection
-        conn = cls(self._target.hostname or "", self._target.port, timeout=self.timeout)
+        conn = cls(self._target.hostname or "", self._target.port, timeout=timeout or self.timeout)
         try:
             data = json.dumps(body).encode() if body is not None else None
             conn.request(method, self._root + path, body=data,
@@ -4353,8 +4354,8 @@ class SlotStore:
             now = time.monotonic()
             if self._total is None and now - self._total_asked >= SLOT_RETRY_S:
                 self._total_asked = now
-                try:
-                    status, props = self._call("GET", "/props")
+                try:  # on a queue's path: a server that does not answer at once is asked later
+                    status, props = self._call("GET", "/props", timeout=min(self.timeout, 5.0))
                     if status == 200:
                         self._props_slots(props)
                 except Exception:  # OSError, http.client.HTTPException: unknown for now
@@ -4825,6 +4826,7 @@ class Hold(NamedTuple):
     end: float
     how: str  # release reason, "ttl" for an eviction, or "open" (still held when the log ends)
     switch: bool  # granted from the waiting list (a switch)
+    spare: bool = False  # on a parent's spare stream (its grant line said so)
 
 
 class Wait(NamedTuple):
@@ -4952,7 +4954,7 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             queued = q["waiting"].pop(session, None)
             if queued is not None:
                 q["waits"].append(Wait(session, role, queued[0], t, True))
-            q["open"][session] = (t, role, queued is not None)
+            q["open"][session] = (t, role, queued is not None, e.get("spare") is True)
             continue
         if kind == "switch":
             q["switches"].append((t, session))
@@ -4981,7 +4983,7 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 q["evictions"].append(t)
             held = q["open"].pop(session, None)
             if held is not None:
-                q["holds"].append(Hold(session, held[1], held[0], t, reason, held[2]))
+                q["holds"].append(Hold(session, held[1], held[0], t, reason, held[2], held[3]))
             continue
         role = e.get("role") or "parent"
         if kind == "queued":
@@ -4994,15 +4996,15 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         elif kind == "move":  # a reload moved it from another queue
             src = queues.get(str(e.get("from")))
             if src is not None and e.get("what") == "holder" and session in src["open"]:
-                start, was, switch = src["open"].pop(session)
-                src["holds"].append(Hold(session, was, start, t, "moved", switch))
-                q["open"][session] = (t, role, False)
+                start, was, switch, spare = src["open"].pop(session)
+                src["holds"].append(Hold(session, was, start, t, "moved", switch, spare))
+                q["open"][session] = (t, role, False, spare)
             elif src is not None and session in src["waiting"]:
                 q["waiting"][session] = src["waiting"].pop(session)
         # any other event: unknown to this version, skipped
     for q in queues.values():
-        for session, (start, role, switch) in q.pop("open").items():
-            q["holds"].append(Hold(session, role, start, end, "open", switch))
+        for session, (start, role, switch, spare) in q.pop("open").items():
+            q["holds"].append(Hold(session, role, start, end, "open", switch, spare))
         for session, (start, role) in q.pop("waiting").items():
             q["waits"].append(Wait(session, role, start, end, False))
         q["holds"].sort(key=lambda h: h.start)

@@ -713,7 +713,9 @@ def dead_time(events: List[Dict[str, Any]], records: Sequence[Record]) -> Tuple[
         for h in q["holds"]:
             if h.session not in busy:
                 continue
-            others = _union([(w.start, w.end) for w in q["waits"] if w.session != h.session])
+            # a parent's spare stream was of use to no child: only a waiting parent makes it dead
+            others = _union([(w.start, w.end) for w in q["waits"]
+                             if w.session != h.session and (not h.spare or w.role == "parent")])
             idle = _subtract([(h.start, h.end)], busy[h.session])
             dead = _measure(_intersect(idle, others))
             if dead > 0:

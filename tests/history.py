@@ -737,7 +737,7 @@ class HistoryChecker:
         w = q.waiting.get(session)
         if w is not None and spare:  # FIFO among the parents (children cannot take the stream)
             older = list(q.waiting)[:list(q.waiting).index(session)]
-            if any(q.waiting[o].role == PARENT and not q.waiting[o].ops for o in older):
+            if any(self._tiers(q.waiting[o], ts) == {PARENT} for o in older):
                 r.add("order", q.key, f"{session} granted a spare stream ahead of an older parent", at)
             self._check_alive(q, session, ts, at)
             del q.waiting[session]
@@ -753,6 +753,8 @@ class HistoryChecker:
             first = next(iter(q.waiting))
             r.add("order", q.key, f"{session} granted straight into a free slot while {first} and "
                   f"{len(q.waiting) - 1} more waited", at)
+        if spare:
+            r.stats["spare grants replayed"] += 1
         lease = _Lease(q.key, session, seq, role, ts, n, spare)
         q.holders[session] = lease
         self.leases[(q.key, session)].append(lease)

@@ -21,8 +21,10 @@ takes its first slot and freezes (so every round has TTL evictions to check, bes
 2 % of holds that freeze on the others); ``leaseTtlMs`` at its 1000 ms minimum, the harness'
 ``--sweep-ms 20``, the event log on.
 
+Half the parents' acquires ask for a spare stream (``spare: true``).
+
 Checked from the clients' own hold intervals (transcripts alone, ``Report.holds``): never more
-holds of a queue at once than ``maxStreams``, no session holding two grants at once, every
+holds of a queue at once than ``maxStreams`` (plus one on the parents' spare stream), no session holding two grants at once, every
 ``acquire`` granted, cancelled or disconnected by the end of the drain.  Checked by replaying the
 daemon's event log with the transcripts through ``tests.history.check_history``: every rule
 (capacity, tier/FIFO/aging order, TTL bounds, double hold, seq, waiters) and the final
@@ -262,6 +264,8 @@ class Worker:
         msg: Dict[str, Any] = {"op": "acquire", "queueKey": s.queue, "sessionKey": s.session, "role": s.role}
         if s.activity:
             msg["activity"] = True
+        if s.role == "parent" and self.rng.random() < 0.5:
+            msg["spare"] = True  # a parent's spare stream while children hold every slot
         s.state = "waiting"
         self.send(s, msg)
         rng = self.rng
@@ -626,11 +630,13 @@ def assert_soak_invariants(f: Dict[str, Any]) -> None:
     report.assert_clean()
     assert f["_leftover"] == [], f"holders or waiters left after every client had gone: {f['_leftover']}"
     for key, spec in QUEUES.items():
-        assert 0 < f["peak_client_holds"].get(key, 0) <= spec["maxStreams"], (key, f["peak_client_holds"])
+        # at most one more: the parents' spare stream (parentStreams 1), the log says which
+        assert 0 < f["peak_client_holds"].get(key, 0) <= spec["maxStreams"] + 1, (key, f["peak_client_holds"])
     # The checks had work to do.
     assert f["client_processes_killed"] == VICTIMS * f["rounds"]
     assert f["switches"] > 0 and f["ttl_evictions_checked_against_beats"] >= WORKERS * f["rounds"]
     assert report.stats["dequeues (cancel)"] > 0 and report.stats["dequeues (disconnect)"] > 0
+    assert report.stats["spare grants replayed"] > 0
     # Memory: no growth past the warm-up.
     rss = f["rss_kb_per_round"]
     assert len(rss) == f["rounds"] >= 3, rss
