@@ -4348,16 +4348,16 @@ class SlotStore:
 
     def total_slots(self) -> Optional[int]:
         """How many requests the server runs at once, as its ``/props`` says (``total_slots``),
-        or None when it does not say (not llama.cpp, or not reachable).  Asked once, and again at
-        most every ``SLOT_RETRY_S`` while unknown."""
+        or None when it does not say (not llama.cpp).  Asked once; again at most every
+        ``SLOT_RETRY_S`` only while the server could not be reached."""
         with self._lock:
             now = time.monotonic()
             if self._total is None and now - self._total_asked >= SLOT_RETRY_S:
                 self._total_asked = now
                 try:  # on a queue's path: a server that does not answer at once is asked later
                     status, props = self._call("GET", "/props", timeout=min(self.timeout, 5.0))
-                    if status == 200:
-                        self._props_slots(props)
+                    if self._props_slots(props if status == 200 else None) is None:
+                        self._total_asked = float("inf")  # it answered, and does not say: never again
                 except Exception:  # OSError, http.client.HTTPException: unknown for now
                     pass
             return self._total

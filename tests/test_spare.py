@@ -415,3 +415,14 @@ def test_a_client_session_asks_for_a_spare_stream_unless_its_slot_store_knows_on
                             c.start()
             finally:
                 client.close()
+
+
+def test_a_server_whose_props_do_not_say_is_asked_once_and_taken_to_run_several(stub: Any) -> None:
+    store = lq.SlotStore(stub.base)
+    assert [store.total_slots() for _ in range(3)] == [None, None, None]
+    assert [r["path"] for r in stub.records] == ["/props"]  # it answered: never asked again
+    gone = lq.SlotStore("http://127.0.0.1:9")
+    t = time.monotonic()
+    assert gone.total_slots() is None and time.monotonic() - t < 5.0
+    with KVSim(slots=4) as sim:
+        assert lq.SlotStore(sim.base).total_slots() == 4
