@@ -831,7 +831,7 @@ class Waiter:
         self.targets: dict[Target, None] = {}  # ordered, and O(1) to test
         self.version = 0  # bumped on re-tier and on a move: heap entries of older versions are dead
         self.live = True
-        self.spare = spare  # it may take a spare stream (as a parent) when every slot is held
+        self.spare = spare  # it asked for a spare stream: it takes one as a parent, when children hold every slot
         self.json = _who_json(session, role, group)  # its entry in status replies; redone on re-tier
 
     def __repr__(self) -> str:
@@ -1161,9 +1161,8 @@ class Scheduler:
                 w.targets[(conn, key)] = None
                 self._conn_waiters.setdefault(conn, set()).add(w)
             return []
-        spare = spare and tier == PARENT
         room = q.has_room()
-        if room or spare and q.spare_room() and q.head(PARENT) is None:
+        if room or spare and tier == PARENT and q.spare_room() and q.head(PARENT) is None:
             holder = self._grant(q, session, tier, group, activity, key, now, spare=not room)
             self._attach(holder, conn)
             return [Granted(q.key, holder, ((conn, key),))]
@@ -1201,8 +1200,16 @@ class Scheduler:
         if w is not None:
             self._drop_waiter(w)
             events.append(Dequeued(q.key, w, "cancel"))
+            self._heads_changed(q, now, events)
             self._settle(q)
         return events + self.release(key, session, now=now, reason="cancel")
+
+    def _heads_changed(self, q: _Queue, now: float, events: list[Event]) -> None:
+        """A waiter left or changed tier: the parent heading the queue may be another one now,
+        one that can take a free spare stream, or one a parked or idle spare holder yields to."""
+        self._refill(q, now, events)
+        if q.idle and q.waiting:
+            self._idle_due.add(q)
 
     def set_role(self, session: str, role: str, *, now: float) -> list[Event]:
         """Re-tier the session's live waiters in place (their enqueue order is kept).  A holder
@@ -1217,7 +1224,7 @@ class Scheduler:
                 w.version += 1
                 w.queue.bury(old)
                 w.queue.push(w)
-                self._fill(w.queue, now, events)
+                self._heads_changed(w.queue, now, events)
         return events
 
     def renew(self, conn: Conn, *, now: float) -> int:
@@ -1324,7 +1331,7 @@ class Scheduler:
                 touched.append(holder.queue)
                 self._drop_lease(holder, Released(holder.queue.key, holder, reason), events, now)
         for q in touched:
-            self._refill(q, now, events)
+            self._heads_changed(q, now, events)
         for q in touched:
             self._settle(q)
         return events
@@ -1384,7 +1391,7 @@ class Scheduler:
                 q.idle_yields += 1
                 idler.idle_since = min(idler.idle_since or idler.last_activity, idler.last_activity)
                 self._drop_lease(idler, Released(q.key, idler, "idle"), events, now)
-                self._fill(q, now, events)
+                self._refill(q, now, events)  # and a parked holder that can hand over now does
             touched.append(q)
         self._idle_due.clear()
         for q in touched:
@@ -1642,8 +1649,11 @@ class Scheduler:
         q = holder.queue
         # who could have used the slot: anyone for a slot of max_streams, a parent that asked for
         # one for a spare stream
-        heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD))
-                 if w is not None and (not holder.spare or w.spare and w.role == PARENT)]
+        if holder.spare:  # only the head parent could have used it, and only if it may take it
+            head = q.head(PARENT)
+            heads = [head.enqueued_at] if head is not None and q.frees_for_waiter(holder) else []
+        else:
+            heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD)) if w is not None]
         if not heads:
             return
         dead = now - max(since, min(heads))
@@ -4350,14 +4360,16 @@ class SlotStore:
         """How many requests the server runs at once, as its ``/props`` says (``total_slots``),
         or None when it does not say (not llama.cpp).  Asked once; again at most every
         ``SLOT_RETRY_S`` only while the server could not be reached."""
+        if self._total is not None or time.monotonic() - self._total_asked < SLOT_RETRY_S:
+            return self._total  # known (or asked lately): never behind a switch's lock
         with self._lock:
             now = time.monotonic()
             if self._total is None and now - self._total_asked >= SLOT_RETRY_S:
                 self._total_asked = now
                 try:  # on a queue's path: a server that does not answer at once is asked later
                     status, props = self._call("GET", "/props", timeout=min(self.timeout, 5.0))
-                    if self._props_slots(props if status == 200 else None) is None:
-                        self._total_asked = float("inf")  # it answered, and does not say: never again
+                    if self._props_slots(props if status == 200 else None) is None and status in (200, 404, 405, 501):
+                        self._total_asked = float("inf")  # no /props that says: never asked again
                 except Exception:  # OSError, http.client.HTTPException: unknown for now
                     pass
             return self._total

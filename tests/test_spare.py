@@ -255,10 +255,58 @@ def test_a_re_tier_that_makes_a_spare_asker_the_head_parent_grants_it() -> None:
     assert names(s.set_role("B", "child", now=T0 + 3)) == ["C"]
 
 
+def test_a_cancel_that_makes_a_spare_asker_the_head_parent_grants_it() -> None:
+    s = sched()
+    s.acquire("c", K, "C", "child", now=T0)
+    s.acquire("o", K, "OLD", "parent", now=T0 + 1)  # an old client, ahead
+    s.acquire("n", K, "NEW", "parent", now=T0 + 2, spare=True)
+    assert names(s.cancel(K, "OLD", now=T0 + 3)) == ["NEW"]
+    assert [h.spare for h in s.holders(K)] == [False, True]
+
+
+def test_a_parked_spare_holder_yields_to_a_parent_a_re_tier_puts_at_the_head() -> None:
+    s = sched()
+    s.acquire("c", K, "C", "child", now=T0)
+    s.acquire("p", K, "P1", "parent", now=T0, spare=True)
+    s.park(K, "P1", now=T0 + 1)
+    s.acquire("o", K, "OLD", "parent", now=T0 + 2)  # cannot take a spare stream: P1 keeps it
+    s.acquire("n", K, "NEW", "parent", now=T0 + 3, spare=True)
+    assert sorted(h.session for h in s.holders(K)) == ["C", "P1"]
+    events = s.set_role("OLD", "child", now=T0 + 4)
+    assert names(events) == ["NEW"] and [e.reason for e in events if isinstance(e, lq.Released)] == ["parked"]
+
+
+def test_an_idle_spare_holder_yields_to_a_parent_a_re_tier_puts_at_the_head() -> None:
+    s = sched(idleYieldMs=1000)
+    s.acquire("c", K, "C", "child", now=T0, activity=True)
+    s.acquire("p", K, "P1", "parent", now=T0, activity=True, spare=True)
+    s.acquire("o", K, "OLD", "parent", now=T0 + 1)
+    s.acquire("n", K, "NEW", "parent", now=T0 + 2, spare=True)
+    s.beat(K, "C", now=T0 + 1500)
+    assert names(s.sweep(now=T0 + 1500)) == []  # P1 is idle, but OLD heads the parents
+    s.set_role("OLD", "child", now=T0 + 1600)
+    assert s.next_deadline() is not None and s.next_deadline() <= T0 + 1600  # looked at again at once
+    assert names(s.sweep(now=T0 + 1600)) == ["NEW"]
+
+
+def test_a_spare_holders_idle_time_is_not_dead_while_the_waiting_parent_could_not_take_its_stream() -> None:
+    s = sched()
+    s.acquire("c", K, "C", "child", now=T0)
+    s.acquire("p1", K, "P1", "parent", now=T0, spare=True)  # on the spare stream
+    s.release(K, "C", now=T0 + 1)
+    s.acquire("p2", K, "P2", "parent", now=T0 + 2)  # a slot of maxStreams: a parent holds it now
+    s.beat(K, "P1", now=T0 + 10, busy=False)
+    s.acquire("p3", K, "P3", "parent", now=T0 + 1000, spare=True)  # waits: a parent holds a slot
+    s.beat(K, "P1", now=T0 + 6000, busy=True)
+    assert s.status()[0]["deadMs"] == 0
+    assert names(s.release(K, "P1", now=T0 + 6001)) == []  # indeed nobody could have used it
+
+
 SESSIONS = ["s0", "s1", "s2", "s3", "s4"]
 spare_ops = st.one_of(
     st.tuples(st.just("acquire"), st.sampled_from(SESSIONS), st.sampled_from(lq.ROLES), st.booleans()),
     st.tuples(st.just("release"), st.sampled_from(SESSIONS)),
+    st.tuples(st.just("cancel"), st.sampled_from(SESSIONS)),
     st.tuples(st.just("park"), st.sampled_from(SESSIONS)),
     st.tuples(st.just("beat"), st.sampled_from(SESSIONS)),
     st.tuples(st.just("role"), st.sampled_from(SESSIONS), st.sampled_from(lq.ROLES)),
@@ -284,10 +332,13 @@ def test_property_spare_streams_are_parents_only_bounded_and_never_idle_while_a_
             held = any(h.session == session for h in s.holders(K))
             events = s.acquire(session, K, session, role, now=now, spare=spare)
             if not held and session not in pending:
-                asked[session] = spare and role == "parent"
+                asked[session] = spare
                 pending.add(session)
         elif op[0] == "release":
             events = s.release(K, op[1], now=now)
+        elif op[0] == "cancel":
+            events = s.cancel(K, op[1], now=now)
+            pending.discard(op[1])
         elif op[0] == "park":
             events = s.park(K, op[1], now=now)[1]
         elif op[0] == "beat":
@@ -310,7 +361,8 @@ def test_property_spare_streams_are_parents_only_bounded_and_never_idle_while_a_
         head = min((w for w in ws if w.role == lq.PARENT), key=lambda w: w.seq, default=None)
         children_hold = all(h.role == lq.CHILD for h in regular)
         assert not (head is not None and head.spare and len(spares) < parent_streams and children_hold)
-        assert not (ws and any(h.parked and not h.spare for h in hs))
+        q = s._find(K)  # None until the queue was first asked for
+        assert not (q is not None and ws and any(h.parked and q.frees_for_waiter(h) for h in hs))
 
 
 # -- the client and the proxy -----------------------------------------------------------------------
@@ -426,3 +478,34 @@ def test_a_server_whose_props_do_not_say_is_asked_once_and_taken_to_run_several(
     assert gone.total_slots() is None and time.monotonic() - t < 5.0
     with KVSim(slots=4) as sim:
         assert lq.SlotStore(sim.base).total_slots() == 4
+
+
+def test_a_server_busy_or_locked_is_asked_again_later(monkeypatch: Any) -> None:
+    import http.server
+
+    answers = [503, 401, 200]
+    seen: List[str] = []
+
+    class Props(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            seen.append(self.path)
+            status = answers.pop(0)
+            body = json.dumps({"total_slots": 1} if status == 200 else {"error": "loading"}).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Props)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(lq, "SLOT_RETRY_S", 0.0)
+        store = lq.SlotStore(f"http://127.0.0.1:{server.server_address[1]}")
+        assert [store.total_slots() for _ in range(3)] == [None, None, 1]  # loading, locked, then it says
+        assert store.total_slots() == 1 and seen == ["/props"] * 3
+    finally:
+        server.shutdown()
+        server.server_close()
