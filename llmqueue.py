@@ -984,7 +984,7 @@ class _Queue:
     __slots__ = (
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
-        "evictions", "dead_ms", "dead_by_session", "spares",
+        "evictions", "dead_ms", "dead_by_session", "spares", "parents",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -994,6 +994,7 @@ class _Queue:
         self.holders: dict[str, Holder] = {}
         self.extra: list[Holder] = []
         self.spares = 0
+        self.parents = 0  # parents holding a slot of max_streams (not a spare stream)
         self.waiting: dict[str, Waiter] = {}
         self.heaps: tuple[list[tuple[int, int, Waiter]], list[tuple[int, int, Waiter]]] = ([], [])
         self.dead = [0, 0]  # dead entries per heap, for compaction
@@ -1021,8 +1022,7 @@ class _Queue:
     def spare_room(self) -> bool:
         """A spare stream a parent may take: one is free, and subagents hold every slot of
         ``max_streams`` (a parent waits for another parent, as the spec says)."""
-        return (self.spares < self.policy.parent_streams
-                and not any(h.role == PARENT and not h.spare for h in self.all_holders()))
+        return self.spares < self.policy.parent_streams and not self.parents
 
     def frees_for_waiter(self, holder: Holder) -> bool:
         """Whether ``holder``'s slot, given up, would go to a waiter: a spare stream only to the
@@ -1033,8 +1033,7 @@ class _Queue:
             return True
         if holder.spare:
             w = self.head(PARENT)
-            return (w is not None and w.spare and self.spares <= self.policy.parent_streams
-                    and not any(h.role == PARENT and not h.spare for h in self.all_holders()))
+            return w is not None and w.spare and self.spares <= self.policy.parent_streams and not self.parents
         return self.held() - self.spares <= limit
 
     def empty(self) -> bool:
@@ -1054,7 +1053,7 @@ class _Queue:
 
     def reset(self) -> None:
         self.holders, self.extra, self.waiting = {}, [], {}
-        self.spares = 0
+        self.spares = self.parents = 0
         self.heaps, self.dead = ([], []), [0, 0]
         self.idle = OrderedDict()
         self.parked = OrderedDict()
@@ -1432,6 +1431,8 @@ class Scheduler:
                 q.holders[h.session] = h
             if h.spare:
                 q.spares += 1
+            elif h.role == PARENT:
+                q.parents += 1
             if h.parked:
                 q.parked[h] = None
             if h.idle_at is not None:
@@ -1572,6 +1573,8 @@ class Scheduler:
                         spare)
         if spare:
             q.spares += 1
+        elif tier == PARENT:
+            q.parents += 1
         q.holders[session] = holder
         self._held += 1
         self._push(self._ttl_heap, holder.expires_at, holder)
@@ -1678,6 +1681,8 @@ class Scheduler:
         q = holder.queue
         if holder.spare:
             q.spares -= 1
+        elif holder.role == PARENT:
+            q.parents -= 1
         if q.holders.get(holder.session) is holder:
             del q.holders[holder.session]
             for i, other in enumerate(q.extra):  # a merged twin takes its place
