@@ -180,6 +180,31 @@ def test_a_parent_that_asks_for_a_spare_stream_waits_behind_a_parent_queued_ahea
         assert d.waiting(K) == ["NEW"]
 
 
+def test_over_the_socket_a_cancel_or_a_re_tier_ahead_hands_the_spare_stream_to_the_next_parent() -> None:
+    for d in started():
+        c, old, new = d.peer(), d.peer(), d.peer()
+        assert c.ask(acquire("C", "child"))["op"] == "granted"
+        old.send(acquire("OLD", spare=None))
+        wait_for(lambda: d.waiting(K) == ["OLD"])
+        new.send(acquire("NEW"))
+        assert new.silent(0.3)
+        old.send({"op": "role", "sessionKey": "OLD", "role": "child"})
+        assert new.recv(SOON)["spare"] is True  # OLD is a child now: NEW heads the parents
+        new.ask({"op": "release", "queueKey": K, "sessionKey": "NEW"})
+        new.send(acquire("NEW2"))  # OLD (a child) waits too, but cannot take the stream
+        assert new.recv(SOON)["spare"] is True
+        p3 = d.peer()
+        p3.send(acquire("P3", spare=None))
+        wait_for(lambda: d.waiting(K) == ["OLD", "P3"])
+        p4 = d.peer()
+        p4.send(acquire("P4"))
+        assert p4.silent(0.3)
+        new.ask({"op": "release", "queueKey": K, "sessionKey": "NEW2"})
+        assert p4.silent(0.3)  # P3, an old client, heads the parents
+        p3.send({"op": "cancel", "queueKey": K, "sessionKey": "P3"})
+        assert p4.recv(SOON)["spare"] is True
+
+
 def test_a_bad_spare_field_is_an_error_reply_that_changes_nothing() -> None:
     for d in started():
         c, p = d.peer(), d.peer()
