@@ -70,7 +70,8 @@ Rules (``Violation.rule``)
                   seen ``agingAfterSlots`` parent grants in a row since it queued (counted from
                   the log: parent grants since its ``queued`` line and since the last child
                   grant).  A grant straight into a free slot while someone waits is a queue jump
-                  (a spare stream's while only children wait is none: they cannot take it).
+                  (a spare stream's while no waiter is certainly a parent, by the tier below,
+                  is none: a child cannot take it).
                   A spare stream goes to the oldest waiting parent.
                   A waiter's tier is the ``queued`` line's role as changed by its session's
                   ``role`` requests in the transcripts (a ``role`` whose processing window
@@ -749,7 +750,7 @@ class HistoryChecker:
             del q.waiting[session]
             q.expect_switch = (session, seq)
             r.stats["switches replayed"] += 1
-        elif q.waiting and not (spare and all(o.role == CHILD for o in q.waiting.values())):
+        elif q.waiting and not (spare and all(self._tiers(o, ts) != {PARENT} for o in q.waiting.values())):
             first = next(iter(q.waiting))
             r.add("order", q.key, f"{session} granted straight into a free slot while {first} and "
                   f"{len(q.waiting) - 1} more waited", at)

@@ -183,6 +183,25 @@ def test_order_a_spare_stream_granted_while_only_children_wait_is_no_queue_jump(
     assert rules(H.ev(h, 5, "grant", "P", seq=2, spare=True).check()) == ["order"]
 
 
+def test_order_a_spare_stream_granted_while_the_only_parent_waiting_was_demoted_is_no_queue_jump() -> None:
+    """P1 queued as a parent, then its own role request made it a child: a spare stream granted
+    straight to a new parent P2 jumped no one (a child cannot take it).  Found by the soak in CI."""
+    h = H().grant(0, "C", 1, "child").send("p1", 9, op="acquire", queueKey=Q, sessionKey="P1")
+    h.ev(10, "queued", "P1")
+    h.send("p1", 300, op="role", sessionKey="P1", role="child").send("p1", 300, op="renew").recv("p1", 302, op="ok")
+    demoted = H()
+    demoted.tx = h.tx
+    demoted.log = h.log + H().ev(600, "grant", "P2", seq=2, spare=True).log
+    assert rules(demoted.check()) == []
+    unheard = H()  # without the transcript, P1 is still a parent: P2 jumped it
+    unheard.log = demoted.log
+    assert rules(unheard.check()) == ["order"]
+    straddling = H()  # the role request still in flight at the grant: either tier, no violation
+    straddling.log = h.log + H().ev(320, "grant", "P2", seq=2, spare=True).log
+    straddling.tx = [r for r in h.tx if r["dir"] != "recv"]
+    assert rules(straddling.check()) == []
+
+
 def test_capacity_a_spare_holds_overlap_with_a_childs_is_no_violation_client_side() -> None:
     h = H()
     h.send("c", 0, op="acquire", queueKey=Q, sessionKey="C", role="child")
