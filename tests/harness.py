@@ -8,6 +8,7 @@ production default of 0; the idle-exit suites set the field explicitly.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -25,9 +26,24 @@ QUEUE_KEY = "http://127.0.0.1:8001/v1"
 SWEEP_MS = 20  # a short tick, so a TTL-bound test costs milliseconds beyond its TTL
 
 
-def short_tmpdir(prefix: str = "lq") -> str:
-    """A temporary dir with a short path: unix socket paths are limited to ~108 bytes."""
-    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+_MADE: list[tuple[int, str]] = []  # short_tmpdir's dirs, removed when the process that made them exits
+
+
+@atexit.register
+def _remove_made() -> None:
+    for pid, path in _MADE:
+        if pid == os.getpid():  # not a forked copy's: the maker's exit removes them
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def short_tmpdir(prefix: str = "lq", keep: bool = False) -> str:
+    """A temporary dir with a short path: unix socket paths are limited to ~108 bytes.  It is
+    removed when the test process exits, unless ``keep`` (a suite that keeps its artifacts after
+    a failure, and removes them itself after a success)."""
+    path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    if not keep:
+        _MADE.append((os.getpid(), path))
+    return path
 
 
 def wait_for(predicate: Any, timeout: float = 5.0, interval: float = 0.005) -> Any:

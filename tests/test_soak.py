@@ -491,7 +491,7 @@ class Soak:
         self.rounds = rounds
         self.active_s = active_s
         self.rng = random.Random(seed)
-        self.dir = short_tmpdir("lqsoak")
+        self.dir = short_tmpdir("lqsoak", keep=True)
         self.log_file = os.path.join(self.dir, "events.log")
         self.config = soak_config(self.log_file)
         self.transcripts: List[str] = []
