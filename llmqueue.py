@@ -116,6 +116,11 @@ GRACE_MS = 3000  # spec: a client releases this long after its run settles
 # through the person's think time: measured on the interactive workload, a 1 s window spent half
 # of a 2 s think time idle, and the background got a quarter of its requests done.
 PARENT_HANDBACK_MS = 250
+# Between two of its requests, a parent holder's slot goes to a waiting parent where switches are
+# cheap, and where the queue does not know yet once it has held the slot this long since its grant
+# (two agents with nothing named, both parents, then take turns instead of one waiting out the
+# other's whole run; a short run is never split while a switch might cost a re-prefill).
+PARENT_SHARE_MS = 2000
 
 ROLES = ("parent", "child")  # wire names of the tiers, in grant order
 PARENT, CHILD = 0, 1
@@ -767,7 +772,7 @@ class Holder:
     __slots__ = (
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
         "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
-        "idle_since", "dead_ms", "spare",
+        "idle_since", "dead_ms", "spare", "handback",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
@@ -786,6 +791,9 @@ class Holder:
         self.conns: set[Any] = set()
         self.held = True
         self.parked = False  # its client waits on another agent: the slot goes to any waiter at once
+        # Between two requests of its run (``handback``): the slot goes at once to a parent the
+        # queue would grant next, never to a child.  A parked holder yields to anyone anyway.
+        self.handback = False
         self.spare = spare  # on one of the queue's spare streams (parents only), not one of max_streams
         self.json = _who_json(session, role, group, spare)  # its entry in status replies
         # Dead time: since when it has had no request in flight (``busy: false``, or parked), and
@@ -867,8 +875,9 @@ class Dequeued(NamedTuple):
 
 
 class Released(NamedTuple):
-    """A slot returned: ``reason`` is release, cancel, disconnect, idle (an idle yield) or parked
-    (a parked holder handed over to a waiter)."""
+    """A slot returned: ``reason`` is release, cancel, disconnect, idle (an idle yield), parked
+    (a parked holder handed over to a waiter) or handback (a holder between two requests handed
+    over to a waiting parent)."""
 
     queue_key: str
     holder: Holder
@@ -984,7 +993,7 @@ class _Queue:
     __slots__ = (
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
-        "evictions", "dead_ms", "dead_by_session", "spares", "parents",
+        "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -1003,10 +1012,12 @@ class _Queue:
         self.parent_grants = 0  # parent grants ever; a child's slot-aging counts from its mark
         self.child_mark = 0  # parent_grants at the last child grant: "in a row" restarts there
         self.idle: OrderedDict[Holder, None] = OrderedDict()  # holders idle past their window
-        self.parked: OrderedDict[Holder, None] = OrderedDict()  # holders parked, in parking order
+        # holders parked (or in a handback gap: ``Holder.handback``), in parking order
+        self.parked: OrderedDict[Holder, None] = OrderedDict()
         self.queued = 0  # counters for status: acquires that had to wait, idle yields, TTL evictions
         self.idle_yields = 0
         self.park_yields = 0
+        self.handback_yields = 0  # slots holders between two requests handed to a waiting parent
         self.evictions = 0
         self.dead_ms = 0.0  # held with no request in flight while someone waited (closed spells)
         self.dead_by_session: OrderedDict[str, float] = OrderedDict()  # the same, the last 64 sessions
@@ -1307,6 +1318,34 @@ class Scheduler:
             return False, []
         self._refresh(holder, now, activity=False)
         holder.parked = True
+        holder.handback = False
+        q.parked[holder] = None
+        self._idle(holder, now)
+        events: list[Event] = []
+        self._refill(q, now, events)
+        return holder.held, events
+
+    def handback(self, key: str, session: str, *, now: float) -> tuple[bool, list[Event]]:
+        """A keyed activity beat that says the holder is between two requests of its run (the
+        ``handback`` field of ``renew``): no request of it is in flight, and its slot goes at once
+        to a parent the queue would grant next -- one queued now, or the first to come while the
+        gap lasts -- but never to a child (the holder's own window decides that, by parking).
+        Its next activity beat without the field ends the gap.  A parked holder stays parked.
+        Returns (still held, events)."""
+        q = self._find(key)
+        holder = q.holder_for(key, session) if q else None
+        if q is None or holder is None:
+            return False, []
+        if holder.parked:  # it yields to anyone already
+            self._refresh(holder, now, activity=False)
+            return True, []
+        if holder.handback:  # the gap goes on: an activity beat that keeps it (and its idle spell)
+            holder.handback = False
+            self._refresh(holder, now, activity=True)
+            holder.handback = True
+            return True, []
+        self._refresh(holder, now, activity=True)
+        holder.handback = True
         q.parked[holder] = None
         self._idle(holder, now)
         events: list[Event] = []
@@ -1433,7 +1472,7 @@ class Scheduler:
                 q.spares += 1
             elif h.role == PARENT:
                 q.parents += 1
-            if h.parked:
+            if h.parked or h.handback:
                 q.parked[h] = None
             if h.idle_at is not None:
                 self._push(self._idle_heap, h.idle_at, h)
@@ -1504,6 +1543,7 @@ class Scheduler:
                 "queued": q.queued,
                 "idleYields": q.idle_yields,
                 "parkYields": q.park_yields,
+                "handbackYields": q.handback_yields,  # additive: holders between requests, to a parent
                 "ttlEvictions": q.evictions,
                 "deadMs": round(q.dead_ms),
             }
@@ -1593,8 +1633,8 @@ class Scheduler:
         if activity:
             holder.last_activity = now
             q = holder.queue
-            if holder.parked:  # work resumed
-                holder.parked = False
+            if holder.parked or holder.handback:  # work resumed
+                holder.parked = holder.handback = False
                 q.parked.pop(holder, None)
                 self._busy(holder, now)
             if holder in q.idle:  # it spoke: no longer yieldable until its window passes again
@@ -1720,12 +1760,31 @@ class Scheduler:
         oldest parked first, while that grants someone (a queue left over capacity by a reload
         gains nothing from a yield)."""
         self._fill(q, now, events)
+        cost: Optional[str] = None
         while q.waiting and q.parked:
-            holder = next((h for h in q.parked if q.frees_for_waiter(h)), None)
+            nxt = self._pick(q, now)
+            to_parent = nxt is not None and nxt.role == PARENT  # a handback holder yields to it
+            if cost is None and any(h.handback and h.role == PARENT for h in q.parked):
+                affinity = self._affinity.get(q.key)
+                cost = switch_cost(affinity.kept if affinity else (), q.policy.switch_cost)
+
+            def gives_way(h: Holder) -> bool:
+                if h.parked:
+                    return True
+                if not to_parent and not h.spare:  # a spare stream only goes to a parent anyway
+                    return False
+                return h.role == CHILD or cost == "cheap" or (
+                    cost == "unknown" and now - h.granted_at >= PARENT_SHARE_MS)
+
+            holder = next((h for h in q.parked if gives_way(h) and q.frees_for_waiter(h)), None)
             if holder is None:
                 break
-            q.park_yields += 1
-            self._drop_lease(holder, Released(q.key, holder, "parked"), events, now)
+            if holder.parked:
+                q.park_yields += 1
+            else:
+                q.handback_yields += 1
+            self._drop_lease(holder, Released(q.key, holder, "parked" if holder.parked else "handback"),
+                             events, now)
             self._fill(q, now, events)
 
     def _pick(self, q: _Queue, now: float) -> Optional[Waiter]:
@@ -1801,6 +1860,7 @@ class Request(NamedTuple):
     reused: Optional[int] = None  # ... and those it served from its cache
     busy: Optional[bool] = None  # additive, on a keyed renew: whether a request is in flight
     spare: bool = False  # additive, on acquire: a parent may take a spare stream when every slot is held
+    handback: bool = False  # additive, on a keyed renew: between two requests, the slot goes to a waiting parent
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -1878,6 +1938,9 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     spare = msg.get("spare")
     if spare is not None and not isinstance(spare, bool):
         raise ProtocolError(f"spare must be true or false (got {_show(spare)})")
+    handback = msg.get("handback")
+    if handback is not None and not isinstance(handback, bool):
+        raise ProtocolError(f"handback must be true or false (got {_show(handback)})")
     if op in _KEYED_OPS and queue_key is None:
         raise ProtocolError(f"{op} requires queueKey")
     if op == "role" and role is None:
@@ -1894,7 +1957,7 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     if op == "usage" and counts == [None, None]:
         raise ProtocolError("usage requires prefilled or reused")
     return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume),
-                   counts[0], counts[1], busy, bool(spare))
+                   counts[0], counts[1], busy, bool(spare), bool(handback))
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -2429,6 +2492,10 @@ class Daemon:
                 granted, events = sched.park(req.queue_key, session, now=now)
                 self._apply(events)  # the handoff goes out first
                 self._send(c, encode_beat(req.queue_key, session, granted))
+            elif req.handback:
+                granted, events = sched.handback(req.queue_key, session, now=now)
+                self._apply(events)  # the handoff goes out first
+                self._send(c, encode_beat(req.queue_key, session, granted, busy=req.busy))
             else:
                 granted = sched.beat(req.queue_key, session, now=now, busy=req.busy)
                 self._send(c, encode_beat(req.queue_key, session, granted,
@@ -2863,6 +2930,9 @@ class Lease:
         self._parked = False  # the daemon was told this pause (a parked beat went out)
         self._parent_waiting = False  # the last beat reply said a parent waits for this child's slot
         self._resume = False  # the next acquire hands back: it queues ahead of the other children
+        # Between two requests, the daemon told so (a ``handback`` renew went out): a waiting
+        # parent gets the slot at once.  Its beats say so too, until the next request's.
+        self._handback = False
 
     @property
     def held(self) -> bool:
@@ -2887,8 +2957,11 @@ class Lease:
         unqueued.  A lease let through unqueued (fail-open) tries to queue again too."""
         if self.released:
             raise LLMQueueError(f"{self.session_key}: the lease on {self.queue_key} was released")
+        handed, self._handback = self._handback, False  # this beat ends the gap
         if self.held and not self.beat():
             self.lost = True
+        if self.lost and handed and self.role == "child":
+            self._resume = True  # it went to a parent in the gap: queue ahead of the other children
         if self.lost or not self.queued:
             self.client._reacquire(self, timeout)
         return self
@@ -3427,8 +3500,10 @@ class Client:
             for user in self._leases.get(self._owner(*key), ()):
                 user._parked = False  # an activity beat un-parks the slot: a later pause parks it again
         try:
-            self._send({"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key},
-                       connect=False, generation=generation)
+            message: dict[str, Any] = {"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key}
+            if lease._handback:
+                message["handback"] = True  # still between two requests: the beat keeps the gap
+            self._send(message, connect=False, generation=generation)
         except DaemonUnavailable:
             return False
         if not pending.event.wait(timeout) or pending.reply is None:
@@ -3574,6 +3649,11 @@ class Client:
                         continue
                     for lease in held:
                         lease._parked = False  # its activity beat un-parks it
+                    if all(lease._handback for lease in active):
+                        # between two requests (a handback renew said so): a keyed beat would end
+                        # the gap, so the bare heartbeat keeps the lease until the next request's
+                        paused_period = period if paused_period is None else min(paused_period, period)
+                        continue
                     if min(lease._next_beat for lease in active) <= now:  # one beat per session
                         for lease in active:
                             lease._next_beat = now + period
@@ -3602,6 +3682,15 @@ class Client:
         if parked:
             message["parked"] = True  # additive: an older daemon ignores it (and idle-yields later)
         return lambda: self._quietly(message)
+
+    def _hand_back(self, lease: Lease) -> None:
+        """The lease's request ended and its run goes on: tell the daemon (a keyed ``renew`` with
+        ``handback`` and ``busy: false``), so a parent that waits, or comes while the gap lasts,
+        gets the slot at once.  Its reply (``busy`` echoed) answers no beat."""
+        if lease.queued and not lease.released and not lease.lost:
+            lease._handback = True
+            self._quietly({"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key,
+                           "handback": True, "busy": False})
 
 
 class Session:
@@ -3693,6 +3782,12 @@ class Session:
             turn = self._turn
             self._gap_turn += 1
             self._request_end = None
+            never = park_after is None and not self.yield_on_settle
+            at_once = park_after is None and self.role == "child" or park_after is not None and park_after <= 0
+            # Kept for a while (the window below): a parent that waits gets it at once meanwhile.
+            # Said before the gap's park ends, so no beat of the old gap goes out after it.
+            handback = not never and not at_once and self._hands_back_in_gaps()
+            lease._handback = handback
             self._unpark()  # a gap's park: the settled run's own rule decides from here
 
             def release() -> None:
@@ -3706,16 +3801,19 @@ class Session:
                 lease.release()
 
             self._cancel_grace = self.client.call_later(self.grace_ms / 1000.0, release)
-            if park_after is None and not self.yield_on_settle:
+            if never:
                 return
-            if park_after is None and self.role == "child" or park_after is not None and park_after <= 0:
+            if at_once:
                 self._settled = lease.blocking()
                 self._settled.__enter__()
                 return
+            if handback:
+                self.client._hand_back(lease)
 
             def park() -> None:
                 with self._lock:
                     if self._turn == turn and self._settled is None and not lease.released:
+                        lease._handback = False  # parked from here: a loss now is no hand-back
                         self._settled = lease.blocking()
                         self._settled.__enter__()
 
@@ -3790,7 +3888,10 @@ class Session:
         lease = self.lease
         if lease is None or not lease.held or lease.released:
             return
-        self._mark(lease, False)
+        if self._hands_back_in_gaps():
+            self.client._hand_back(lease)  # a parent that waits, or comes meanwhile, goes first
+        else:
+            self._mark(lease, False)
         with self._lock:
             self._gap_turn += 1
             token = self._gap_turn
@@ -3805,14 +3906,19 @@ class Session:
             with self._lock:
                 if (self._gap_turn == token and self._settled is None and self.lease is lease
                         and lease.held and not lease.released):
+                    lease._handback = False  # parked from here: a loss now is no hand-back
                     self._settled = lease.blocking()
                     self._settled.__enter__()
 
         self.client.call_later(window, park)
-        if self.role != "child" or lease.seq != self._served:
-            return
-        if lease.beat() and lease._parent_waiting and lease.held:
-            self.client._give_back(lease)
+
+    def _hands_back_in_gaps(self) -> bool:
+        """Whether, between two requests (after one, and when a run settles), the slot goes at
+        once to a parent that waits: a subagent's always (it would hand back at its next request
+        anyway), a parent's unless the queue learned that a switch re-prefills there (``dear``):
+        two parents then take turns request by request, where holding the slot through one's tool
+        call would keep the other waiting behind an idle slot."""
+        return self.role == "child" or self.client.switch_cost(self.queue_key) != "dear"
 
     def request(self, timeout: Optional[float] = None) -> _Request:
         return _Request(self, timeout)
@@ -4955,7 +5061,7 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         q = queues.get(key)
         if q is None:
             q = queues[key] = {"holds": [], "waits": [], "open": {}, "waiting": {}, "switches": [],
-                               "idle": [], "parked": [], "evictions": [], "config": [], "grants": [],
+                               "idle": [], "parked": [], "handback": [], "evictions": [], "config": [], "grants": [],
                                "sessions": {}, "usage": [], "switch_seqs": set(), "kept": [], "dead": []}
         kind, t = e["event"], e["t"]
         if kind == "config":
@@ -4996,6 +5102,8 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 q["idle"].append(t)
             elif kind == "release" and reason == "parked":
                 q["parked"].append(t)
+            elif kind == "release" and reason == "handback":
+                q["handback"].append(t)
             if kind == "evict":
                 q["evictions"].append(t)
             held = q["open"].pop(session, None)
@@ -5096,6 +5204,7 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
             "abandonedWaits": sum(1 for w in q["waits"] if not w.granted and w.end < stop and inside(w.end)),
             "idleYields": count(q["idle"]),
             "parkYields": count(q["parked"]),
+            "handbackYields": count(q["handback"]),
             "ttlEvictions": count(q["evictions"]),
             "overCapacityReloads": count(q["config"]),
             "utilisation": round(busy / span, 4),
@@ -5163,6 +5272,7 @@ def format_report(report: dict[str, Any]) -> str:
         out.append(f"queue {key}")
         out.append(f"  grants {r['grants']}  switches {r['switches']} ({r['switchesPerHour']}/h)  "
                    f"idle-yields {r['idleYields']}  park-yields {r['parkYields']}  "
+                   f"handbacks {r['handbackYields']}  "
                    f"ttl-evictions {r['ttlEvictions']}  over-capacity reloads {r['overCapacityReloads']}")
         out.append(f"  utilisation {r['utilisation'] * 100:.1f}% of the window with a slot held, "
                    f"{r['meanHolders']} holders on average")
@@ -5534,6 +5644,7 @@ def format_status(queues: list[dict[str, Any]]) -> str:
             longest = ", ".join(f"{role} {waits.get(role, 0) / 1000:.1f} s" for role in ROLES)
             out.append(f"  grants {q.get('grants', 0)}  queued {q.get('queued', 0)}  "
                        f"idle-yields {q.get('idleYields', 0)}  park-yields {q.get('parkYields', 0)}  "
+                       f"handbacks {q.get('handbackYields', 0)}  "
                        f"ttl-evictions {q.get('ttlEvictions', 0)}  "
                        f"longest wait: {longest}")
         tokens = q.get("tokens")
@@ -5561,6 +5672,8 @@ def format_prometheus(queues: list[dict[str, Any]]) -> str:
         ("llmqueue_queued_total", "counter", "Acquires that had to wait.", []),
         ("llmqueue_idle_yields_total", "counter", "Slots taken from idle holders for a waiter.", []),
         ("llmqueue_park_yields_total", "counter", "Slots parked holders handed to a waiter at once.", []),
+        ("llmqueue_handback_yields_total", "counter",
+         "Slots holders between two requests handed to a waiting parent at once.", []),
         ("llmqueue_ttl_evictions_total", "counter", "Slots reclaimed from dead clients (TTL lapsed).", []),
         ("llmqueue_prefilled_tokens_total", "counter", "Prompt tokens the server computed, as it reported them.", []),
         ("llmqueue_reused_tokens_total", "counter", "Prompt tokens the server served from its cache.", []),
@@ -5575,6 +5688,7 @@ def format_prometheus(queues: list[dict[str, Any]]) -> str:
         for name, field in (("llmqueue_grants_total", "grants"), ("llmqueue_switches_total", "switches"),
                             ("llmqueue_queued_total", "queued"), ("llmqueue_idle_yields_total", "idleYields"),
                             ("llmqueue_park_yields_total", "parkYields"),
+                            ("llmqueue_handback_yields_total", "handbackYields"),
                             ("llmqueue_ttl_evictions_total", "ttlEvictions")):
             rows[name].append((label, q.get(field, 0)))
         tokens = q.get("tokens")

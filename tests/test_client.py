@@ -548,7 +548,7 @@ def test_status_shows_slots_depth_switches_and_people(daemon: DaemonProc) -> Non
     assert out.returncode == 0
     lines = out.stdout.splitlines()
     assert lines[0] == f"{K}  1/1  waiting: 1 parent, 1 child  switches: 0"
-    assert lines[1].startswith("  grants 1  queued 2  idle-yields 0  park-yields 0  ttl-evictions 0  "
+    assert lines[1].startswith("  grants 1  queued 2  idle-yields 0  park-yields 0  handbacks 0  ttl-evictions 0  "
                                "longest wait: parent ")
     assert lines[2:] == ["  holds  A parent [team]", "  waits  B child", "  waits  C parent"]
 
@@ -576,6 +576,7 @@ def test_status_counters_in_the_reply_and_in_prometheus_format() -> None:
         assert f'llmqueue_grants_total{{queue="{K}"}} 3' in text
         assert f'llmqueue_idle_yields_total{{queue="{K}"}} 1' in text
         assert f'llmqueue_park_yields_total{{queue="{K}"}} 0' in text
+        assert f'llmqueue_handback_yields_total{{queue="{K}"}} 0' in text
         assert f'llmqueue_ttl_evictions_total{{queue="{K}"}} 1' in text
         assert f'llmqueue_waiting{{queue="{K}",role="child"}} 1' in text
         assert f'llmqueue_max_streams{{queue="{K}"}} 1' in text

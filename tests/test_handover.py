@@ -260,24 +260,28 @@ def test_a_childs_beat_reply_says_a_parent_waits_and_resume_queues_it_ahead_of_o
         assert reply["op"] == "error" and "resume must be true or false" in reply["reason"]
 
 
-def test_a_child_session_hands_back_at_its_next_request_and_is_next_after_the_parent() -> None:
+def test_a_parent_that_comes_during_a_childs_tool_call_gets_the_slot_at_once_and_the_child_is_next() -> None:
+    # Between two requests the child's slot goes to a parent at once (the gap is its request
+    # boundary); another child waiting keeps it no less than before (its tool-gap window).
     for d in started():
         with client_of(d) as client:
-            child = client.session(K, "sub1", "child")
+            child = client.session(K, "sub1", "child", grace_ms=5000)
             with child.run():
                 with child.request():
-                    pass  # its first request on this grant: kept even if a parent came now
+                    pass  # its first request on this grant
                 other = grant_after(client, "sub2", "child")
                 wait_for(lambda: d.waiting(K) == ["sub2"])
-                parent = grant_after(client, "main", "parent")
-                wait_for(lambda: d.waiting(K) == ["sub2", "main"])
                 time.sleep(0.2)
-                assert d.holders(K) == ["sub1"]  # cooperative: never taken mid-request
+                assert d.holders(K) == ["sub1"]  # a child waiting: kept through the window
+                sent = time.monotonic()
+                parent = grant_after(client, "main", "parent")
+                parent.join(SOON)
+                assert not parent.is_alive() and time.monotonic() - sent < SOON  # not after the 5 s grace
+                assert d.holders(K) == ["main"] and d.queue(K)["handbackYields"] == 1
                 releaser = threading.Timer(0.3, lambda: parent.lease.release())
                 releaser.start()
-                with child.request(timeout=10) as lease:  # the boundary: the parent goes first
-                    assert not parent.is_alive()
-                    assert lease.held and d.holders(K) == ["sub1"]  # back, ahead of sub2
+                with child.request(timeout=10) as lease:  # queues again ahead of sub2
+                    assert lease.held and d.holders(K) == ["sub1"]
                     assert other.is_alive()
 
 
@@ -305,7 +309,7 @@ class _Proxy:
         self.client.close()
 
 
-def test_proxy_a_subagent_hands_back_to_a_waiting_parent_at_its_next_request() -> None:
+def test_proxy_a_subagent_between_requests_hands_its_slot_to_a_parent_at_once() -> None:
     from tests.kvsim import KVSim
     from tests.test_kvsim import record
 
@@ -315,16 +319,17 @@ def test_proxy_a_subagent_hands_back_to_a_waiting_parent_at_its_next_request() -
             try:
                 p.ask("sub", "child", "sub-1").join(10)  # sub holds through its grace now
                 wait_for(lambda: d.holders(sim.base) == ["sub"])
-                parent = p.ask("main", "parent", "main-1")
-                wait_for(lambda: d.waiting(sim.base) == ["main"])
                 time.sleep(0.2)
-                assert d.holders(sim.base) == ["sub"]  # nobody takes a held slot
-                second = p.ask("sub", "child", "sub-2")  # sub's next request: the boundary
+                assert d.holders(sim.base) == ["sub"]  # nobody waits: kept, switch-free
+                sent = time.monotonic()
+                parent = p.ask("main", "parent", "main-1")
                 parent.join(10)
+                assert time.monotonic() - sent < SOON + 0.5  # at once, not after sub's 3 s grace
+                second = p.ask("sub", "child", "sub-2")  # queues again, and streams after
                 second.join(10)
                 first, after = record(sim, "main-1"), record(sim, "sub-2")
                 assert first["end"] <= after["start"], "the parent went first"
-                assert first["start"] - record(sim, "sub-1")["end"] < 1.5  # not after sub's 3 s grace
+                assert d.queue(sim.base)["handbackYields"] == 1
             finally:
                 p.close()
 

@@ -9,7 +9,10 @@ that says neither (cut at ``max_tokens``) keeps it as long as the session's own 
 the whole grace before its first gap is known, then 1.5x its longest recent gap plus 0.2 s (at
 least ``PARENT_HANDBACK_MS``), and a new session starts from its peers' recent gaps; a parent
 named by its path keeps its handback window.  Whatever the
-window, a holder nobody waits for keeps its slot through the grace.
+window, a holder nobody waits for keeps its slot through the grace.  Those windows are kept
+from a waiting subagent; a waiting parent gets the slot at the end of the response, whatever it
+said, unless the queue knows that a switch re-prefills there (``switchCost: dear``): then a
+parent holder keeps its window from a parent too.
 """
 
 from __future__ import annotations
@@ -93,10 +96,13 @@ def post(port: int, data: bytes, who: str, finish: str = "stop", path: str = "/v
 
 
 def handover_after(stub: StubEndpoint, daemon: DaemonProc, p: RunningProxy, finish: str,
-                   warmup: Sequence[float] = (), path: str = "/v1/chat/completions") -> float:
+                   warmup: Sequence[float] = (), path: str = "/v1/chat/completions",
+                   waiter: str = "/s/B/child/v1/chat/completions", held_s: float = 0.0) -> float:
     """Agent A (a conversation with no ids: a parent by default) makes ``len(warmup)`` requests
-    with those gaps after them, then one more that ends with ``finish`` while agent B waits:
-    the seconds from that response's end to B's request reaching the upstream."""
+    with those gaps after them, then one more that ends with ``finish`` while agent B waits (a
+    subagent named by its path, unless ``waiter`` says otherwise): the seconds from that
+    response's end to B's request reaching the upstream.  ``held_s``: how long the last response
+    streams after B came."""
     turn = 0
     for gap in warmup:
         post(p.port, body("A", turn), f"A{turn}", "length", path)
@@ -106,9 +112,10 @@ def handover_after(stub: StubEndpoint, daemon: DaemonProc, p: RunningProxy, fini
     a = threading.Thread(target=lambda: ended.append(post(p.port, body("A", turn), "slow-A", finish, path)))
     a.start()
     wait_for(lambda: stub.started("slow-A"))
-    b = threading.Thread(target=post, args=(p.port, body("B"), "B"))
+    b = threading.Thread(target=post, args=(p.port, body("B"), "B", "stop", waiter))
     b.start()
     wait_for(lambda: len(daemon.waiting(stub.base)) == 1)
+    time.sleep(held_s)
     stub.let_slow_finish()
     a.join(30)
     b.join(30)
@@ -156,6 +163,40 @@ def test_a_parent_named_by_its_path_keeps_its_handback_window(
         stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
     waited = handover_after(stub, daemon, proxy, "length", path="/s/main/parent/v1/chat/completions")
     assert waited < lq.PARENT_HANDBACK_MS / 1000 + SOON
+
+
+@pytest.mark.parametrize("finish", ["tool_calls", "length"])
+def test_a_waiting_parent_gets_the_slot_when_the_response_ends_whatever_it_said(
+        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy, finish: str) -> None:
+    # Two agents with nothing named: both parents.  The holder has held the slot past its share,
+    # and its window (the grace, for a tool call) would keep the other behind an idle slot for
+    # its tool call: it hands over at once.
+    waited = handover_after(stub, daemon, proxy, finish, waiter="/v1/chat/completions",
+                            held_s=lq.PARENT_SHARE_MS / 1000)
+    assert waited < SOON
+    assert daemon.queue(stub.base)["handbackYields"] == 1
+
+
+def test_a_short_run_keeps_its_window_from_a_waiting_parent_while_switch_costs_are_unknown(
+        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
+    # Held for less than its share: a switch might cost it a re-prefill, and the other waits
+    # little, so it keeps the grace a tool call gets.
+    waited = handover_after(stub, daemon, proxy, "tool_calls", waiter="/v1/chat/completions")
+    assert GRACE_MS / 1000 - 0.5 < waited < GRACE_MS / 1000 + 3
+    assert daemon.queue(stub.base)["handbackYields"] == 0
+
+
+def test_where_switches_are_dear_a_parent_keeps_its_window_from_a_waiting_parent_too(stub: StubEndpoint) -> None:
+    for d in started(config={"defaults": {"agingAfterSlots": 0, "agingAfterMs": 0, "switchCost": "dear"}}):
+        p = RunningProxy(stub.base, d.agent_dir, grace_ms=GRACE_MS)
+        try:
+            # one request first: its usage report's reply tells the proxy what a switch costs
+            waited = handover_after(stub, d, p, "tool_calls", warmup=[0.3], waiter="/v1/chat/completions")
+            assert p.proxy.client.switch_cost(stub.base) == "dear"
+            assert GRACE_MS / 1000 - 0.5 < waited < GRACE_MS / 1000 + 3  # a re-prefill saved
+            assert d.queue(stub.base)["handbackYields"] == 0
+        finally:
+            p.close()
 
 
 def test_a_holder_nobody_waits_for_keeps_its_slot_through_the_grace(

@@ -100,6 +100,20 @@ def test_a_parked_holders_hand_over_counts_as_a_park_yield_not_an_idle_yield() -
     assert "park-yields 1" in lq.format_report(r)
 
 
+def test_a_hand_over_between_two_requests_counts_as_a_handback() -> None:
+    r = report(write([
+        line(0, "grant", sessionKey="C", role="child", seq=1),
+        line(1, "queued", sessionKey="P", role="parent"),
+        line(2, "release", sessionKey="C", role="child", reason="handback"),
+        line(2, "grant", sessionKey="P", role="parent", seq=2),
+        line(2, "switch", sessionKey="P", role="parent", seq=2),
+        line(9, "release", sessionKey="P", role="parent", reason="release"),
+    ]))
+    q = r["queues"][Q]
+    assert (q["handbackYields"], q["parkYields"], q["idleYields"], q["switches"]) == (1, 0, 0, 1)
+    assert "handbacks 1" in lq.format_report(r)
+
+
 def test_percentiles_are_nearest_rank_per_tier() -> None:
     lines = []
     t = 0.0

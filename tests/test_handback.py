@@ -1,0 +1,394 @@
+"""Between two requests, the slot goes to a waiting parent at once (issue 13, "yield at the request
+boundary to a waiting parent", widened to the whole gap).
+
+Through a real socket: a keyed ``renew`` with ``handback: true`` says the holder is between two
+requests of its run.  Its slot goes at once to a parent the queue would grant next -- one queued
+now, or the first to come while the gap lasts -- and never to a child (the holder's own window,
+ended by a park, decides that).  A child holder always gives way; a parent holder where switches
+are cheap, or, where the queue does not know yet, once it has held the slot ``PARENT_SHARE_MS``
+since its grant (a short run is never split while a switch might cost a re-prefill), and never
+where they are dear.  The yield is logged as a ``release`` with reason ``handback``
+and counted as ``handbackYields`` in ``status``; the reply echoes ``busy``; an activity beat
+without the field ends the gap; a parked holder stays parked; a bad value is an error reply that
+changes nothing.  In the pure scheduler: a child due by aging is no parent, a re-tier to parent
+of a waiting child takes the slot, and a spare stream goes only to a parent that can take it.
+
+Through ``Client``: a parent's session hands over between its requests to a waiting parent (two
+parents take turns request by request), unless the queue knows that a switch re-prefills there
+(``switchCost: dear``), where it keeps its tool-gap window; a child's session is next after the
+parent it handed back to, ahead of the other children.  Through the proxy, two agents with
+nothing named (both parents, the way a tool that marks nothing is seen): one of them no longer
+waits behind the other's tool calls, and the simulated server shows they took turns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from typing import Any, Dict, Iterator, List
+
+import llmqueue as lq
+from tests.harness import DaemonProc, short_tmpdir, started, wait_for
+
+K = "http://127.0.0.1:8001/v1"
+SOON = 1.0  # "at once", on a loaded machine: far below any window or grace here
+T0 = 1000.0
+
+
+def acquire(session: str, role: str = "parent") -> Dict[str, Any]:
+    return {"op": "acquire", "queueKey": K, "sessionKey": session, "role": role, "activity": True}
+
+
+def gap(session: str, **more: Any) -> Dict[str, Any]:
+    return {"op": "renew", "queueKey": K, "sessionKey": session, "handback": True, **more}
+
+
+def beat(session: str) -> Dict[str, Any]:
+    return {"op": "renew", "queueKey": K, "sessionKey": session}
+
+
+def log_lines(path: str) -> List[Dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# -- the wire ---------------------------------------------------------------------------------------
+
+
+def test_a_holder_between_requests_hands_its_slot_to_a_waiting_parent_at_once() -> None:
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log}}):
+        c, p = d.peer(), d.peer()
+        assert c.ask(acquire("C", "child"))["op"] == "granted"
+        p.send(acquire("P"))
+        wait_for(lambda: d.waiting(K) == ["P"])
+        sent = time.monotonic()
+        c.send(gap("C", busy=False))
+        assert p.recv(SOON)["op"] == "granted"
+        assert time.monotonic() - sent < SOON
+        assert c.recv(SOON) == {"op": "ok", "queueKey": K, "sessionKey": "C", "granted": False, "busy": False}
+        q = d.queue(K)
+        assert [h["sessionKey"] for h in q["holders"]] == ["P"]
+        assert q["handbackYields"] == 1 and q["parkYields"] == 0 and q["idleYields"] == 0
+        releases = wait_for(lambda: [e for e in log_lines(log) if e["event"] == "release"])
+        assert [(e["sessionKey"], e["reason"]) for e in releases] == [("C", "handback")]
+
+
+def test_a_parent_that_comes_during_the_gap_is_granted_at_once() -> None:
+    for d in started(config={"defaults": {"switchCost": "cheap"}}):
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        assert a.ask(gap("A")) == {"op": "ok", "queueKey": K, "sessionKey": "A", "granted": True}
+        time.sleep(0.2)
+        assert d.holders(K) == ["A"] and d.queue(K)["switches"] == 0  # nobody waits: kept
+        b.send(acquire("B"))  # a parent: the two take turns at request boundaries
+        assert b.recv(SOON)["op"] == "granted"
+        assert d.holders(K) == ["B"] and d.queue(K)["handbackYields"] == 1
+        assert a.ask(beat("A"))["granted"] is False  # it learns, and queues again
+
+
+def test_a_child_never_takes_a_slot_in_a_handback_gap() -> None:
+    for d in started():
+        a, c = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        c.send(acquire("C", "child"))
+        wait_for(lambda: d.waiting(K) == ["C"])
+        assert a.ask(gap("A"))["granted"] is True
+        assert c.silent(0.3)  # the holder's own window decides for children: it parks when it lapses
+        assert d.holders(K) == ["A"] and d.waiting(K) == ["C"]
+        a.send({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True})
+        assert c.recv(SOON)["op"] == "granted"
+
+
+def test_a_parent_holder_gives_way_to_a_parent_only_after_its_share_while_switch_costs_are_unknown() -> None:
+    for d in started():
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        b.send(acquire("B"))
+        wait_for(lambda: d.waiting(K) == ["B"])
+        assert a.ask(gap("A"))["granted"] is True  # held well under its share: a short run is kept
+        assert b.silent(0.2)
+        time.sleep(lq.PARENT_SHARE_MS / 1000)
+        assert a.ask(beat("A"))["granted"] is True  # its next request...
+        sent = time.monotonic()
+        a.send(gap("A"))  # ...ended, past its share: B's turn
+        assert b.recv(SOON)["op"] == "granted" and time.monotonic() - sent < SOON
+
+
+def test_where_switches_are_dear_a_parent_holder_never_gives_way_in_a_gap() -> None:
+    for d in started(config={"defaults": {"switchCost": "dear"}}):
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        b.send(acquire("B"))
+        wait_for(lambda: d.waiting(K) == ["B"])
+        time.sleep(lq.PARENT_SHARE_MS / 1000)
+        assert a.ask(gap("A"))["granted"] is True
+        assert b.silent(0.3) and d.holders(K) == ["A"]  # its window (a park) decides: a re-prefill saved
+        a.ask({"op": "release", "queueKey": K, "sessionKey": "A"})
+        assert b.recv(SOON)["op"] == "granted"
+
+
+def test_an_activity_beat_ends_the_gap_and_a_repeated_handback_keeps_it() -> None:
+    for d in started():
+        a, b, c = d.peer(), d.peer(), d.peer()
+        assert a.ask(acquire("A", "child"))["op"] == "granted"
+        assert a.ask(gap("A"))["granted"] is True
+        assert a.ask(gap("A"))["granted"] is True  # the gap goes on
+        b.send(acquire("B"))
+        assert b.recv(SOON)["op"] == "granted"  # so a parent that comes takes the slot
+        b.ask({"op": "release", "queueKey": K, "sessionKey": "B"})
+        assert a.ask(acquire("A", "child"))["op"] == "granted"
+        assert a.ask(gap("A"))["granted"] is True
+        assert a.ask(beat("A"))["granted"] is True  # the next request began: the gap is over
+        c.send(acquire("C"))
+        assert c.silent(0.3)  # never taken from a holder at work
+        assert d.holders(K) == ["A"] and d.waiting(K) == ["C"]
+
+
+def test_a_parked_holder_stays_parked_through_a_handback_renew() -> None:
+    for d in started():
+        a, c = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        assert a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True})["granted"] is True
+        assert a.ask(gap("A"))["granted"] is True
+        c.send(acquire("C", "child"))
+        assert c.recv(SOON)["op"] == "granted"  # parked: the slot goes to anyone
+        q = d.queue(K)
+        assert q["parkYields"] == 1 and q["handbackYields"] == 0
+
+
+def test_a_bad_handback_field_is_an_error_reply_that_changes_nothing() -> None:
+    for d in started():
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A", "child"))["op"] == "granted"
+        b.send(acquire("B"))
+        wait_for(lambda: d.waiting(K) == ["B"])
+        reply = a.ask(gap("A", handback="yes"))
+        assert reply["op"] == "error" and "handback must be true or false" in reply["reason"]
+        assert b.silent(0.2)
+        assert d.holders(K) == ["A"] and d.waiting(K) == ["B"]
+        assert a.ask(gap("A"))["granted"] is False  # the connection still works
+        assert b.recv(SOON)["op"] == "granted"
+
+
+def test_a_handback_renew_for_a_slot_not_held_says_so() -> None:
+    for d in started():
+        a = d.peer()
+        assert a.ask(gap("nobody")) == {"op": "ok", "queueKey": K, "sessionKey": "nobody", "granted": False}
+        assert d.holders(K) == []
+
+
+# -- the pure scheduler -----------------------------------------------------------------------------
+
+
+def sched(**defaults: Any) -> lq.Scheduler:
+    cfg, errors, _ = lq.validate_config({"defaults": defaults})
+    assert not errors, errors
+    return lq.Scheduler(lq.Addressing(cfg))
+
+
+def granted(events: List[lq.Event]) -> List[str]:
+    return [e.holder.session for e in events if isinstance(e, lq.Granted)]
+
+
+def released(events: List[lq.Event]) -> List[tuple[str, str]]:
+    return [(e.holder.session, e.reason) for e in events if isinstance(e, lq.Released)]
+
+
+def test_core_a_child_due_by_aging_is_next_so_a_handback_holder_keeps_its_slot() -> None:
+    s = sched(agingAfterMs=5000, agingAfterSlots=0)
+    s.acquire("h", K, "H", "child", now=T0)
+    s.acquire("c", K, "C", "child", now=T0)
+    s.acquire("p", K, "P", "parent", now=T0 + 6000)  # the child C has waited past its aging
+    held, events = s.handback(K, "H", now=T0 + 6000)
+    assert held and events == []  # C would be next, and C is no parent
+    (q,) = s.status(now=T0 + 6000)
+    assert [w["sessionKey"] for w in q["waiting"]] == ["C", "P"] and q["handbackYields"] == 0
+
+
+def test_core_a_waiting_child_re_tiered_to_parent_takes_a_handback_slot() -> None:
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    s.acquire("h", K, "H", "child", now=T0)
+    s.acquire("c", K, "C", "child", now=T0)
+    held, events = s.handback(K, "H", now=T0 + 1000)
+    assert held and events == []
+    events = s.set_role("C", "parent", now=T0 + 2000)
+    assert released(events) == [("H", "handback")] and granted(events) == ["C"]
+
+
+def test_core_a_parent_holders_share_and_the_switch_cost_decide_whether_it_gives_way() -> None:
+    share = lq.PARENT_SHARE_MS
+    for cost, held_ms, gives in [("auto", share - 1, False), ("auto", share, True), ("cheap", 1, True),
+                                 ("dear", 10 * share, False)]:
+        s = sched(agingAfterMs=0, agingAfterSlots=0, switchCost=cost)
+        s.acquire("h", K, "H", "parent", now=T0)
+        s.acquire("b", K, "B", "parent", now=T0)
+        held, events = s.handback(K, "H", now=T0 + held_ms)
+        assert (released(events) == [("H", "handback")]) is gives and held is not gives, (cost, held_ms)
+
+
+def test_core_a_spare_stream_in_a_gap_goes_only_to_a_parent_that_can_take_it() -> None:
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    s.acquire("c", K, "C", "child", now=T0)
+    assert s.acquire("p", K, "P", "parent", now=T0, spare=True)[0].holder.spare  # on the spare stream
+    held, events = s.handback(K, "P", now=T0 + 3000)  # past its share
+    assert held and events == []  # nobody waits
+    assert granted(s.acquire("d", K, "D", "child", now=T0 + 3000)) == []  # a child: P keeps its stream
+    events = s.acquire("q", K, "Q", "parent", now=T0 + 3000, spare=True)
+    assert released(events) == [("P", "handback")] and granted(events) == ["Q"]
+    (q,) = s.status(now=T0 + 3000)
+    assert [(h["sessionKey"], h.get("spare", False)) for h in q["holders"]] == [("C", False), ("Q", True)]
+
+
+def test_core_dead_time_in_a_gap_counts_only_while_someone_waits() -> None:
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    s.acquire("h", K, "H", "parent", now=T0)
+    s.handback(K, "H", now=T0 + 1000)
+    s.acquire("c", K, "C", "child", now=T0 + 2000)  # a child: H keeps its slot through its gap
+    s.beat(K, "H", now=T0 + 2500, busy=True)  # H's next request: its gap had a child waiting 0.5 s
+    (q,) = s.status(now=T0 + 3000)
+    assert q["deadMs"] == 500 and q["handbackYields"] == 0
+
+
+# -- through Client ---------------------------------------------------------------------------------
+
+
+class Asker(threading.Thread):
+    def __init__(self, client: lq.Client, session: str, role: str = "parent") -> None:
+        super().__init__(daemon=True)
+        self.client, self.session, self.role = client, session, role
+        self.lease: Any = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.lease = self.client.acquire(K, self.session, self.role, timeout=20)
+        except lq.LLMQueueError:
+            pass
+
+
+@contextlib.contextmanager
+def client_of(d: DaemonProc) -> Iterator[lq.Client]:
+    client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def test_a_parent_session_hands_over_between_its_requests_to_a_waiting_parent() -> None:
+    for d in started(config={"defaults": {"switchCost": "cheap"}}):
+        with client_of(d) as client:
+            s = client.session(K, "main", "parent", grace_ms=5000, spare=False)
+            with s.run():
+                with s.request():
+                    pass
+                sent = time.monotonic()
+                other = Asker(client, "other")  # another parent, during main's tool call
+                other.join(SOON + 0.5)
+                assert not other.is_alive() and time.monotonic() - sent < SOON  # not the 5 s window
+                assert d.holders(K) == ["other"] and d.queue(K)["handbackYields"] == 1
+                threading.Timer(0.3, lambda: other.lease.release()).start()
+                with s.request(timeout=10) as lease:  # queues again, and streams after the other
+                    assert lease.held and d.holders(K) == ["main"]
+
+
+def test_a_parent_session_keeps_its_window_from_a_child_between_its_requests() -> None:
+    for d in started():
+        with client_of(d) as client:
+            s = client.session(K, "main", "parent", grace_ms=1500, spare=False)
+            with s.run():
+                with s.request():
+                    pass
+                child = Asker(client, "sub", "child")
+                time.sleep(0.8)
+                assert child.is_alive() and d.holders(K) == ["main"]  # inside its window: kept
+                with s.request() as lease:  # its tool call came back in time: switch-free
+                    assert lease.held
+                assert d.queue(K)["grants"] == 1
+            child.join(5.0)
+
+
+def test_where_switches_are_dear_a_parent_session_keeps_its_window_from_a_parent_too() -> None:
+    for d in started(config={"defaults": {"switchCost": "dear"}}):
+        with client_of(d) as client:
+            s = client.session(K, "main", "parent", grace_ms=3000, spare=False)
+            with s.run():
+                with s.request():
+                    pass
+                s.usage(100, 0)  # its reply says what a switch costs here
+                wait_for(lambda: client.switch_cost(K) == "dear")
+                time.sleep(0.5)  # a tool call: its window is 1.5 x 0.5 + 0.2 = 0.95 s
+                with s.request():
+                    time.sleep(lq.PARENT_SHARE_MS / 1000)  # past its share: only dear keeps it now
+                sent = time.monotonic()
+                other = Asker(client, "other")
+                time.sleep(0.5)
+                assert other.is_alive() and d.holders(K) == ["main"]  # a re-prefill saved
+                other.join(5.0)
+                assert not other.is_alive() and time.monotonic() - sent < 0.95 + SOON  # after the window
+                assert d.queue(K)["handbackYields"] == 0
+
+
+def test_a_child_session_handed_back_in_its_gap_is_next_after_the_parent_ahead_of_other_children() -> None:
+    for d in started():
+        with client_of(d) as client:
+            child = client.session(K, "sub1", "child", grace_ms=5000)
+            with child.run():
+                with child.request():
+                    pass
+                other = Asker(client, "sub2", "child")
+                wait_for(lambda: d.waiting(K) == ["sub2"])
+                parent = Asker(client, "main")
+                parent.join(SOON + 0.5)
+                assert not parent.is_alive() and d.holders(K) == ["main"]
+                threading.Timer(0.3, lambda: parent.lease.release()).start()
+                with child.request(timeout=10) as lease:
+                    assert lease.held and d.holders(K) == ["sub1"] and other.is_alive()
+
+
+# -- through the proxy, nothing named ----------------------------------------------------------------
+
+
+def test_proxy_two_agents_with_nothing_named_take_turns_instead_of_waiting_out_each_others_tool_calls() -> None:
+    from tests.kvsim import KVSim
+    from tests.test_kvsim import payload, post, record
+
+    for d in started():
+        with KVSim(prefill_ms=0.05, decode_ms=2.0) as sim:
+            client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+            proxy = lq.Proxy(sim.base, client=client, listen=("127.0.0.1", 0), grace_ms=3000)
+            threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True).start()
+            port = proxy.server.server_address[1]
+            try:
+                def agent(name: str, turns: int, tool_s: float) -> None:
+                    messages = [{"role": "system", "content": f"you are {name}"},
+                                {"role": "user", "content": "go"}]
+                    for turn in range(turns):
+                        post(port, payload(messages, max_tokens=8), headers={"X-Agent": f"{name}-{turn}"})
+                        messages = messages + [{"role": "assistant", "content": "ok"},
+                                               {"role": "user", "content": f"tool output {turn}"}]
+                        time.sleep(tool_s)
+
+                a = threading.Thread(target=agent, args=("A", 6, 0.6))  # about 3 s of tool calls
+                a.start()
+                wait_for(lambda: any(r["who"] == "A-0" and r["end"] for r in sim.records), timeout=10)
+                b = threading.Thread(target=agent, args=("B", 1, 0.0))
+                b.start()
+                a.join(30)
+                b.join(30)
+                first_b = record(sim, "B-0")
+                last_a = record(sim, "A-5")
+                # B's one request went between A's, in a gap once A had held the slot for its
+                # share, not after A's whole run (and its grace)
+                assert first_b["end"] <= last_a["start"]
+                assert first_b["start"] - record(sim, "A-0")["end"] < lq.PARENT_SHARE_MS / 1000 + 1.5
+                assert d.queue(sim.base)["handbackYields"] >= 1
+            finally:
+                proxy.shutdown()
+                client.close()
