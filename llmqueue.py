@@ -1319,6 +1319,11 @@ class Scheduler:
         self._refresh(holder, now, activity=False)
         holder.parked = True
         holder.handback = False
+        return self._step_aside(q, holder, now)
+
+    def _step_aside(self, q: _Queue, holder: Holder, now: float) -> tuple[bool, list[Event]]:
+        """A holder that parked, or began a handback gap: its idle spell starts, and it hands its
+        slot over now if a waiter may have it (``_refill``).  Returns (still held, events)."""
         q.parked[holder] = None
         self._idle(holder, now)
         events: list[Event] = []
@@ -1346,11 +1351,7 @@ class Scheduler:
             return True, []
         self._refresh(holder, now, activity=True)
         holder.handback = True
-        q.parked[holder] = None
-        self._idle(holder, now)
-        events: list[Event] = []
-        self._refill(q, now, events)
-        return holder.held, events
+        return self._step_aside(q, holder, now)
 
     def disconnect(self, conn: Conn, *, now: float, reason: str = "disconnect") -> list[Event]:
         """The connection is gone: drop what it queued, then release what it held."""

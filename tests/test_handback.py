@@ -23,38 +23,22 @@ waits behind the other's tool calls, and the simulated server shows they took tu
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import threading
 import time
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import llmqueue as lq
-from tests.harness import DaemonProc, short_tmpdir, started, wait_for
+from tests.harness import short_tmpdir, started, wait_for
+from tests.test_handover import Asker, acquire, beat, client_of, log_lines
 
 K = "http://127.0.0.1:8001/v1"
 SOON = 1.0  # "at once", on a loaded machine: far below any window or grace here
 T0 = 1000.0
 
 
-def acquire(session: str, role: str = "parent") -> Dict[str, Any]:
-    return {"op": "acquire", "queueKey": K, "sessionKey": session, "role": role, "activity": True}
-
-
 def gap(session: str, **more: Any) -> Dict[str, Any]:
     return {"op": "renew", "queueKey": K, "sessionKey": session, "handback": True, **more}
-
-
-def beat(session: str) -> Dict[str, Any]:
-    return {"op": "renew", "queueKey": K, "sessionKey": session}
-
-
-def log_lines(path: str) -> List[Dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 # -- the wire ---------------------------------------------------------------------------------------
@@ -256,29 +240,6 @@ def test_core_dead_time_in_a_gap_counts_only_while_someone_waits() -> None:
 
 
 # -- through Client ---------------------------------------------------------------------------------
-
-
-class Asker(threading.Thread):
-    def __init__(self, client: lq.Client, session: str, role: str = "parent") -> None:
-        super().__init__(daemon=True)
-        self.client, self.session, self.role = client, session, role
-        self.lease: Any = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.lease = self.client.acquire(K, self.session, self.role, timeout=20)
-        except lq.LLMQueueError:
-            pass
-
-
-@contextlib.contextmanager
-def client_of(d: DaemonProc) -> Iterator[lq.Client]:
-    client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def test_a_parent_session_hands_over_between_its_requests_to_a_waiting_parent() -> None:
