@@ -945,13 +945,16 @@ class _Affinity:
     """A queue's switch record, from its usage reports: who reported last, each session's last
     prompt (its size in tokens), and the share kept by each return after a switch."""
 
-    __slots__ = ("last", "prompts", "kept", "returns")
+    __slots__ = ("last", "prompts", "kept", "returns", "probed")
 
     def __init__(self) -> None:
         self.last: Optional[str] = None
         self.prompts: OrderedDict[str, int] = OrderedDict()
         self.kept: deque[float] = deque(maxlen=KEPT_SAMPLES)
         self.returns = 0
+        # ``returns`` when a parent last gave way to a parent while the cost was unknown: the next
+        # such hand-over waits for a return since, so that one switch at a time finds it out
+        self.probed = -1
 
     def report(self, session: str, prefilled: int, reused: int) -> Optional[float]:
         """One request's counts; the share of its previous prompt it found kept, when another
@@ -1257,14 +1260,19 @@ class Scheduler:
         self._tokens[resolved] = totals
         while len(self._tokens) > 4096:
             self._tokens.popitem(last=False)
-        affinity = self._affinity.pop(resolved, None) or _Affinity()
-        self._affinity[resolved] = affinity
-        while len(self._affinity) > 4096:
-            self._affinity.popitem(last=False)
+        affinity = self._affinity_of(resolved)
         kept = affinity.report(session, prefilled, reused)
         setting = q.policy.switch_cost if q else self.addressing.address_endpoint(key)[1].switch_cost
         return Usage(resolved, session, prefilled, reused, holder.seq if holder else None, kept,
                      switch_cost(affinity.kept, setting))
+
+    def _affinity_of(self, key: str) -> _Affinity:
+        """The switch record of queue ``key``, made if new, as the most recently used."""
+        affinity = self._affinity.pop(key, None) or _Affinity()
+        self._affinity[key] = affinity
+        while len(self._affinity) > 4096:
+            self._affinity.popitem(last=False)
+        return affinity
 
     def affinity_kept(self) -> dict[str, list[float]]:
         """Each queue's latest returns (the share of its context each found kept): what a
@@ -1762,12 +1770,14 @@ class Scheduler:
         gains nothing from a yield)."""
         self._fill(q, now, events)
         cost: Optional[str] = None
+        probe = False  # while the cost is unknown: no hand-over since the last one waits for a return
         while q.waiting and q.parked:
             nxt = self._pick(q, now)
             to_parent = nxt is not None and nxt.role == PARENT  # a handback holder yields to it
             if cost is None and any(h.handback and h.role == PARENT for h in q.parked):
                 affinity = self._affinity.get(q.key)
                 cost = switch_cost(affinity.kept if affinity else (), q.policy.switch_cost)
+                probe = affinity is None or affinity.returns > affinity.probed
 
             def gives_way(h: Holder) -> bool:
                 if h.parked:
@@ -1775,7 +1785,7 @@ class Scheduler:
                 if not to_parent and not h.spare:  # a spare stream only goes to a parent anyway
                     return False
                 return h.role == CHILD or cost == "cheap" or (
-                    cost == "unknown" and now - h.granted_at >= PARENT_SHARE_MS)
+                    cost == "unknown" and probe and now - h.granted_at >= PARENT_SHARE_MS)
 
             holder = next((h for h in q.parked if gives_way(h) and q.frees_for_waiter(h)), None)
             if holder is None:
@@ -1784,6 +1794,10 @@ class Scheduler:
                 q.park_yields += 1
             else:
                 q.handback_yields += 1
+                if holder.role == PARENT and cost == "unknown":  # a probe: its return will tell
+                    record = self._affinity_of(q.key)
+                    record.probed = record.returns
+                    probe = False
             self._drop_lease(holder, Released(q.key, holder, "parked" if holder.parked else "handback"),
                              events, now)
             self._fill(q, now, events)

@@ -216,6 +216,29 @@ def test_core_a_parent_holders_share_and_the_switch_cost_decide_whether_it_gives
         assert (released(events) == [("H", "handback")]) is gives and held is not gives, (cost, held_ms)
 
 
+def test_core_while_the_cost_is_unknown_a_parent_gives_way_to_a_parent_once_per_return() -> None:
+    # One switch at a time finds out what a switch costs: after a parent gave way to a parent,
+    # the next one waits until a session has come back and said what it found kept.
+    share = lq.PARENT_SHARE_MS
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    s.acquire("a", K, "A", "parent", now=T0)
+    s.usage(K, "A", 1000, 0)
+    s.acquire("b", K, "B", "parent", now=T0)
+    s.acquire("c", K, "C", "parent", now=T0)
+    held, events = s.handback(K, "A", now=T0 + share)
+    assert not held and released(events) == [("A", "handback")] and granted(events) == ["B"]
+    s.acquire("a", K, "A", "parent", now=T0 + share)  # A queues again, behind C
+    s.usage(K, "B", 1000, 0)  # B's first request: nobody came back yet
+    held, events = s.handback(K, "B", now=T0 + 3 * share)
+    assert held and events == []  # past its share, but the last probe has not come back
+    s.beat(K, "B", now=T0 + 3 * share, busy=True)  # B's next request
+    s.usage(K, "A", 10, 1000)  # A's return, reported (its context was kept): the cost is still unknown
+    (q,) = s.status(now=T0 + 3 * share)
+    assert q["affinity"]["switchCost"] == "unknown" and q["affinity"]["returns"] == 1
+    held, events = s.handback(K, "B", now=T0 + 3 * share)
+    assert not held and granted(events) == ["C"]  # a return came since: the next probe
+
+
 def test_core_a_spare_stream_in_a_gap_goes_only_to_a_parent_that_can_take_it() -> None:
     s = sched(agingAfterMs=0, agingAfterSlots=0)
     s.acquire("c", K, "C", "child", now=T0)
