@@ -121,6 +121,9 @@ PARENT_HANDBACK_MS = 250
 # (two agents with nothing named, both parents, then take turns instead of one waiting out the
 # other's whole run; a short run is never split while a switch might cost a re-prefill).
 PARENT_SHARE_MS = 2000
+# While the cost is unknown, one such hand-over at a time: the next waits until a session has come
+# back (and said what it found kept), or this long, since the one that gave way may not come back.
+PROBE_AGAIN_MS = 10_000
 
 ROLES = ("parent", "child")  # wire names of the tiers, in grant order
 PARENT, CHILD = 0, 1
@@ -945,16 +948,18 @@ class _Affinity:
     """A queue's switch record, from its usage reports: who reported last, each session's last
     prompt (its size in tokens), and the share kept by each return after a switch."""
 
-    __slots__ = ("last", "prompts", "kept", "returns", "probed")
+    __slots__ = ("last", "prompts", "kept", "returns", "probed", "probed_at")
 
     def __init__(self) -> None:
         self.last: Optional[str] = None
         self.prompts: OrderedDict[str, int] = OrderedDict()
         self.kept: deque[float] = deque(maxlen=KEPT_SAMPLES)
         self.returns = 0
-        # ``returns`` when a parent last gave way to a parent while the cost was unknown: the next
-        # such hand-over waits for a return since, so that one switch at a time finds it out
+        # ``returns`` when a parent last gave way to a parent while the cost was unknown, and when:
+        # the next such hand-over waits for a return since, so that one switch at a time finds it
+        # out, or for ``PROBE_AGAIN_MS`` (the one that gave way may never come back)
         self.probed = -1
+        self.probed_at = 0.0
 
     def report(self, session: str, prefilled: int, reused: int) -> Optional[float]:
         """One request's counts; the share of its previous prompt it found kept, when another
@@ -1777,7 +1782,8 @@ class Scheduler:
             if cost is None and any(h.handback and h.role == PARENT for h in q.parked):
                 affinity = self._affinity.get(q.key)
                 cost = switch_cost(affinity.kept if affinity else (), q.policy.switch_cost)
-                probe = affinity is None or affinity.returns > affinity.probed
+                probe = affinity is None or affinity.returns > affinity.probed or (
+                    now - affinity.probed_at >= PROBE_AGAIN_MS)
 
             def gives_way(h: Holder) -> bool:
                 if h.parked:
@@ -1796,7 +1802,7 @@ class Scheduler:
                 q.handback_yields += 1
                 if holder.role == PARENT and cost == "unknown":  # a probe: its return will tell
                     record = self._affinity_of(q.key)
-                    record.probed = record.returns
+                    record.probed, record.probed_at = record.returns, now
                     probe = False
             self._drop_lease(holder, Released(q.key, holder, "parked" if holder.parked else "handback"),
                              events, now)

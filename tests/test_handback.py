@@ -239,6 +239,20 @@ def test_core_while_the_cost_is_unknown_a_parent_gives_way_to_a_parent_once_per_
     assert not held and granted(events) == ["C"]  # a return came since: the next probe
 
 
+def test_core_a_probe_that_never_comes_back_holds_up_the_next_one_only_for_probe_again_ms() -> None:
+    share, again = lq.PARENT_SHARE_MS, lq.PROBE_AGAIN_MS
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    for name in "ABC":
+        s.acquire(name.lower(), K, name, "parent", now=T0)
+    held, events = s.handback(K, "A", now=T0 + share)  # A's last response: it never comes back
+    assert granted(events) == ["B"]
+    held, events = s.handback(K, "B", now=T0 + share + again - 1)
+    assert held and events == []
+    s.beat(K, "B", now=T0 + share + again, busy=True)
+    held, events = s.handback(K, "B", now=T0 + share + again)
+    assert not held and granted(events) == ["C"]
+
+
 def test_core_a_spare_stream_in_a_gap_goes_only_to_a_parent_that_can_take_it() -> None:
     s = sched(agingAfterMs=0, agingAfterSlots=0)
     s.acquire("c", K, "C", "child", now=T0)
