@@ -3789,6 +3789,9 @@ class Session:
                                     activity=True, timeout=timeout, spare=spare)
         with self._lock:
             self.lease = lease
+            if lease.role != self.role:  # re-tiered while it queued (``set_role``): its next grant
+                lease.role = self.role
+                lease.spare = lease.spare and self.role == "parent"
         return lease
 
     def settle(self, park_after: Optional[float] = None) -> None:
@@ -3944,6 +3947,22 @@ class Session:
     def request(self, timeout: Optional[float] = None) -> _Request:
         return _Request(self, timeout)
 
+    def set_role(self, role: str) -> None:
+        """Re-tier the session (the ``role`` op): a request of it that is queued moves to that
+        tier in place (its place in the order kept), and its next grant is taken in it.  A slot it
+        holds keeps the tier it was granted with, as the spec has it."""
+        if role not in ROLES:
+            raise ValueError(f"role must be parent or child (got {role!r})")
+        with self._lock:
+            if role == self.role:
+                return
+            self.role = role
+            lease = self.lease
+            if lease is not None:
+                lease.role = role
+                lease.spare = lease.spare and role == "parent"
+        self.client._quietly({"op": "role", "sessionKey": self.session_key, "role": role})
+
     def usage(self, prefilled: int, reused: int = 0) -> None:
         """Report one of this session's requests' prompt tokens (``Client.usage``)."""
         self.client.usage(self.queue_key, self.session_key, prefilled, reused)
@@ -4001,6 +4020,9 @@ class _Request:
 # =================================================================================================
 
 DEFAULT_PROXY_PORT = 8787  # the documented default: http://127.0.0.1:8787
+# After a person's last words in a conversation with nothing named, the proxy's other unnamed
+# conversations stay background (subagents) this long: a person reads and thinks for minutes.
+PERSON_AWAY_S = 600.0
 # RFC 9110 7.6.1: connection-specific fields are never forwarded.  ``expect`` is answered here
 # (the body is read before the slot is taken), and ``host`` is the upstream's own.
 _HOP_BY_HOP = frozenset((
@@ -4060,6 +4082,7 @@ class Identity(NamedTuple):
     role: Optional[str]
     source: str
     conversation: Optional[str] = None  # the fingerprint, when the body was read
+    person: bool = False  # the request carries a person's words (``person_turn``)
 
 
 def _text_of(content: Any) -> Any:
@@ -4104,6 +4127,31 @@ def conversation_fingerprint(body: dict[str, Any]) -> Optional[str]:
         return None
     blob = json.dumps([body.get("model"), system, first], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+_TOOL_OUTPUTS = ("tool_result", "function_call_output", "custom_tool_call_output", "mcp_tool_result")
+
+
+def person_turn(body: dict[str, Any]) -> bool:
+    """Whether the request continues a conversation with a person's words: its last message is
+    the user's own (not a tool's output: a ``tool`` message, a ``tool_result`` block, a
+    ``function_call_output`` item), after a reply of the model (an ``assistant`` message, or a
+    Response it names by ``previous_response_id``).  An agent at work sends its tools' outputs;
+    only a person answers the model in its own words."""
+    items = body.get("messages")
+    if not isinstance(items, list):
+        items = body.get("input")
+    if not isinstance(items, list) or not items:
+        return False
+    last = items[-1]
+    if not isinstance(last, dict) or last.get("role") != "user" or last.get("type", "message") != "message":
+        return False
+    content = last.get("content")
+    if isinstance(content, list) and any(isinstance(part, dict) and part.get("type") in _TOOL_OUTPUTS
+                                         for part in content):
+        return False
+    return bool(body.get("previous_response_id")) or any(
+        isinstance(m, dict) and m.get("role") == "assistant" for m in items[:-1])
 
 
 def _json_body(body: bytes, headers: dict[str, str]) -> Optional[dict[str, Any]]:
@@ -4175,9 +4223,10 @@ def proxy_identity(headers: dict[str, str], body: bytes, *, session: Optional[st
         marked = _SUBAGENT_BODY_MARK.decode() in _first_system_block(parsed)
     conversation = conversation_fingerprint(parsed) if parsed is not None else None
     tier = role if role is not None else ("child" if marked else None)
+    person = parsed is not None and not marked and person_turn(parsed)
 
     def found(key: str, source: str) -> Identity:
-        return Identity(key, tier, source, conversation)
+        return Identity(key, tier, source, conversation, person)
 
     if session:
         return found(session, "explicit")
@@ -4205,7 +4254,7 @@ def proxy_identity(headers: dict[str, str], body: bytes, *, session: Optional[st
             return found("user:" + user, "user")
     if "fingerprint" in sources and conversation is not None:
         return found("conv:" + conversation, "fingerprint")
-    return Identity(None, tier, "none", conversation)
+    return Identity(None, tier, "none", conversation, person)
 
 
 # -- what the server says it prefilled -------------------------------------------------------------
@@ -4614,6 +4663,8 @@ class Proxy:
         # conversation fingerprint -> the session it was first seen in: a later request of that
         # conversation that names less continues it (bounded: the oldest are forgotten)
         self._conversations: OrderedDict[str, str] = OrderedDict()
+        # conversations with nothing named in which a person spoke -> when last seen (monotonic)
+        self._people: OrderedDict[str, float] = OrderedDict()
         self.upstream = upstream
         self._target = parsed
         # llama.cpp's slot files at a switch (it turns itself off where the server has none)
@@ -4674,6 +4725,40 @@ class Proxy:
                     self._conversations.popitem(last=False)
         return ident
 
+    def tier(self, ident: Identity, named: Optional[str] = None) -> tuple[str, bool]:
+        """A request's (role, interactive).  ``named``: the role its path or headers said; a
+        parent named so is a person's session (interactive).  Otherwise its marker's (a subagent
+        is a child).  A conversation with nothing named (its fingerprint) is a person's once a
+        person spoke in it (``person_turn``): a parent, interactive; while one is (a request of
+        it within ``PERSON_AWAY_S``), every other such conversation is background: a child.  With
+        no person in sight, the proxy's default role, as for a session named without a role."""
+        if named is not None:
+            return named, named == "parent"
+        if ident.role is not None:
+            return ident.role, False
+        key = ident.session
+        if key is None or not key.startswith("conv:"):
+            return self.role, False
+        now = time.monotonic()
+        behind: list[_ProxySession] = []
+        with self._lock:
+            people = self._people
+            while people and now - next(iter(people.values())) > PERSON_AWAY_S:
+                people.popitem(last=False)  # oldest seen first
+            if not (ident.person or key in people):
+                return ("child" if people else self.role), False
+            if not people:  # the first person in sight: the others' queued requests go behind now
+                behind = [ps for k, ps in self._sessions.items()
+                          if k != key and k.startswith("conv:") and ps.session.role != "child" and not ps.interactive]
+            people.pop(key, None)
+            people[key] = now
+            while len(people) > 256:
+                people.popitem(last=False)
+        for ps in behind:
+            ps.session.yield_on_settle = False
+            ps.session.set_role("child")
+        return "parent", True
+
     def hold_window(self, ps: _ProxySession, ending: Optional[str]) -> Optional[float]:
         """How long (seconds) a session keeps its slot after a response before it parks, that
         is hands it to a waiter (it keeps it while nobody waits, up to the grace):
@@ -4725,12 +4810,17 @@ class Proxy:
                     interactive and role == "parent")
                 if own:  # nobody can ask for this context back by name: never worth a file
                     ps.session.slot_key = None
+            retier = ps.session.role != role
+            ps.interactive = interactive and role == "parent"
             ps.inflight += 1
             if ps.inflight == 1 and ps.last_end is not None:
                 gap = time.monotonic() - ps.last_end
                 if gap <= self.grace_ms / 1000.0:  # a longer one let the slot go: no tool call
                     ps.gaps.append(gap)
                     self._recent_gaps.append(gap)
+        if retier:  # a person spoke in it, or in another: the session changes tier from here
+            ps.session.yield_on_settle = role == "parent"
+            ps.session.set_role(role)
         waiting = threading.Event()
         if client_sock is not None:
             threading.Thread(target=self._watch_hangup, args=(client_sock, waiting, key),
@@ -4852,9 +4942,9 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 self.close_connection = True
                 return
             ident = proxy.identify({k.lower(): v for k, v in self.headers.items()}, body, session, role)
-            interactive = role == "parent"  # named a parent by its path or headers
-            role = ident.role or proxy.role
-            proxy.log(f"{self.command} {path}: session {ident.session or '(its own)'} as {role}, "
+            role, interactive = proxy.tier(ident, role)
+            whose = " (a person's session)" if interactive else ""
+            proxy.log(f"{self.command} {path}: session {ident.session or '(its own)'} as {role}{whose}, "
                       f"from {ident.source}")
             try:
                 ps = proxy.begin(ident.session, role, self.connection, interactive)

@@ -492,7 +492,8 @@ class Agent:
                 work()
             else:
                 time.sleep(self.workload.tool_s)
-        self.messages.append({"role": "user", "content": output or self.words(self.workload.tool_tokens)})
+        # a tool's output, as agents send it (a person's words are a user message)
+        self.messages.append({"role": "tool", "content": output or self.words(self.workload.tool_tokens)})
 
     def requests(self, access: Access, n: int, stop: Optional[threading.Event] = None) -> None:
         """A run of ``n`` requests with a tool call between each two."""

@@ -172,3 +172,37 @@ def test_dead_time_is_a_hold_with_nothing_in_flight_while_someone_waits() -> Non
     renamed += [ev(3, "usage", "conv:1", prefilled=300, reused=0), ev(7, "usage", "conv:2", prefilled=250, reused=0)]
     assert agents.session_aliases(renamed, counted) == {"conv:1": "a", "conv:2": "b"}
     assert agents.dead_time(renamed, counted)[0] == pytest.approx(2.0)
+
+
+def test_proxy_with_no_session_names_puts_a_persons_turns_ahead_of_the_background() -> None:
+    """The interactive pattern with nothing named: once the person has answered the model in
+    their own words (their second turn), each later turn is served next, so at most the one
+    background request already at the server when they asked goes before it; and the person
+    does not keep the slot while they think, so the background runs between their turns.  All
+    parents, as before, the person queued behind every background job that asked first."""
+    wl = WORKLOAD._replace(turns=5, think_s=1.5, limit_s=60.0)
+    config = {"defaults": {"agingAfterSlots": 0, "agingAfterMs": 0, "parentStreams": 0}}
+    for d in started(config=config):
+        # requests of about 0.2 s: the background keeps a line at the server's one slot
+        with KVSim(slots=1, slot_ctx=4096, prefill_ms=0.05, decode_ms=25) as sim:
+            client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+            proxy = lq.Proxy(sim.base, client=client, listen=("127.0.0.1", 0), grace_ms=1000)
+            threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True).start()
+            try:
+                access = agents.ProxyAccess(sim.url, proxy.url, named=False)
+                result = agents.interactive(access, wl, salt="zuzzuz")
+                access.close()
+            finally:
+                proxy.shutdown()
+                client.close()
+            assert overlaps(sim) == 1
+        assert not result.limit_hit and all(r.ok for r in result.records)
+        turns = sorted((r for r in result.records if r.role == "parent"), key=lambda r: r.ask)
+        background = [r for r in result.records if r.role == "child"]
+        assert len(turns) == wl.turns and len(background) >= wl.turns
+        for turn, after in zip(turns[2:], turns[3:] + [None]):
+            assert turn.first is not None
+            before = [r for r in background if r.first is not None and turn.ask < r.first < turn.first]
+            assert len(before) <= 1, (turn, before)
+            if after is not None:  # while the person thought
+                assert any(turn.end < r.first < after.ask for r in background if r.first is not None)

@@ -369,8 +369,8 @@ def test_proxy_two_agents_with_nothing_named_take_turns_instead_of_waiting_out_e
                                 {"role": "user", "content": "go"}]
                     for turn in range(turns):
                         post(port, payload(messages, max_tokens=8), headers={"X-Agent": f"{name}-{turn}"})
-                        messages = messages + [{"role": "assistant", "content": "ok"},
-                                               {"role": "user", "content": f"tool output {turn}"}]
+                        messages = messages + [{"role": "assistant", "content": "ok"},  # a tool's output:
+                                               {"role": "tool", "content": f"tool output {turn}"}]  # no person here
                         time.sleep(tool_s)
 
                 a = threading.Thread(target=agent, args=("A", 6, 0.6))  # about 3 s of tool calls

@@ -40,7 +40,7 @@ DEVICE = "9334438b6f608996d70b06b748b7ee5ede8bad858f669228ddb3aa7a07ba8281"
 def chat_body(system: str = "you are terse", first: str = "fix the bug", more: int = 0, **extra: Any) -> bytes:
     messages: List[Dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": first}]
     for i in range(more):
-        messages += [{"role": "assistant", "content": f"reply {i}"}, {"role": "user", "content": f"tool out {i}"}]
+        messages += [{"role": "assistant", "content": f"reply {i}"}, {"role": "tool", "content": f"tool out {i}"}]
     return json.dumps(dict({"model": "m", "stream": True, "messages": messages}, **extra)).encode()
 
 

@@ -76,8 +76,8 @@ def proxy(stub: StubEndpoint, daemon: DaemonProc) -> Iterator[RunningProxy]:
 def body(agent: str, turn: int = 0) -> bytes:
     messages: List[Dict[str, str]] = [{"role": "system", "content": f"you are {agent}"},
                                       {"role": "user", "content": "go"}]
-    for i in range(turn):
-        messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"tool output {i}"}]
+    for i in range(turn):  # an agent at work: its tool's output, not a person's words (a person's session)
+        messages += [{"role": "assistant", "content": "ok"}, {"role": "tool", "content": f"tool output {i}"}]
     return json.dumps({"model": "m", "stream": True, "messages": messages}).encode()
 
 
