@@ -948,7 +948,7 @@ class _Affinity:
     """A queue's switch record, from its usage reports: who reported last, each session's last
     prompt (its size in tokens), and the share kept by each return after a switch."""
 
-    __slots__ = ("last", "prompts", "kept", "returns", "probed", "probed_at")
+    __slots__ = ("last", "prompts", "kept", "returns", "probed", "probed_at", "prober")
 
     def __init__(self) -> None:
         self.last: Optional[str] = None
@@ -960,6 +960,7 @@ class _Affinity:
         # out, or for ``PROBE_AGAIN_MS`` (the one that gave way may never come back)
         self.probed = -1
         self.probed_at = 0.0
+        self.prober: Optional[str] = None  # the session that gave way then: its return tells
 
     def report(self, session: str, prefilled: int, reused: int) -> Optional[float]:
         """One request's counts; the share of its previous prompt it found kept, when another
@@ -1347,7 +1348,8 @@ class Scheduler:
         """A keyed activity beat that says the holder is between two requests of its run (the
         ``handback`` field of ``renew``): no request of it is in flight, and its slot goes at once
         to a parent the queue would grant next -- one queued now, or the first to come while the
-        gap lasts -- but never to a child (the holder's own window decides that, by parking).
+        gap lasts -- but to a child only while the queue does not know what a switch costs, to
+        find it out (``_refill``); otherwise the holder's own window decides that, by parking.
         Its next activity beat without the field ends the gap.  A parked holder stays parked.
         Returns (still held, events)."""
         q = self._find(key)
@@ -1776,22 +1778,25 @@ class Scheduler:
         self._fill(q, now, events)
         cost: Optional[str] = None
         probe = False  # while the cost is unknown: no hand-over since the last one waits for a return
+        prober: Optional[str] = None  # the session that gave way last, while its return is awaited
         while q.waiting and q.parked:
             nxt = self._pick(q, now)
             to_parent = nxt is not None and nxt.role == PARENT  # a handback holder yields to it
-            if cost is None and any(h.handback and h.role == PARENT for h in q.parked):
+            if cost is None and any(h.handback for h in q.parked):
                 affinity = self._affinity.get(q.key)
                 cost = switch_cost(affinity.kept if affinity else (), q.policy.switch_cost)
-                probe = affinity is None or affinity.returns > affinity.probed or (
-                    now - affinity.probed_at >= PROBE_AGAIN_MS)
+                probe, prober = self._probe(q, affinity, now)
 
             def gives_way(h: Holder) -> bool:
                 if h.parked:
                     return True
+                shared = cost == "unknown" and probe and now - h.granted_at >= PARENT_SHARE_MS
                 if not to_parent and not h.spare:  # a spare stream only goes to a parent anyway
-                    return False
-                return h.role == CHILD or cost == "cheap" or (
-                    cost == "unknown" and probe and now - h.granted_at >= PARENT_SHARE_MS)
+                    # a child's slot to a child only while the cost is unknown, to find it out:
+                    # after its share, one at a time, and at once to the one that gave way last
+                    return h.role == CHILD and cost == "unknown" and nxt is not None and (
+                        shared or nxt.session == prober)
+                return h.role == CHILD or cost == "cheap" or shared
 
             holder = next((h for h in q.parked if gives_way(h) and q.frees_for_waiter(h)), None)
             if holder is None:
@@ -1800,13 +1805,27 @@ class Scheduler:
                 q.park_yields += 1
             else:
                 q.handback_yields += 1
-                if holder.role == PARENT and cost == "unknown":  # a probe: its return will tell
+                if cost == "unknown" and (holder.role == PARENT or not to_parent):  # a probe: its return will tell
                     record = self._affinity_of(q.key)
-                    record.probed, record.probed_at = record.returns, now
-                    probe = False
+                    record.probed, record.probed_at, record.prober = record.returns, now, holder.session
+                    probe, prober = False, holder.session
             self._drop_lease(holder, Released(q.key, holder, "parked" if holder.parked else "handback"),
                              events, now)
             self._fill(q, now, events)
+
+    @staticmethod
+    def _probe(q: _Queue, affinity: Optional[_Affinity], now: float) -> tuple[bool, Optional[str]]:
+        """While a queue's switch cost is unknown: whether a holder may give way to find it out
+        (a probe), and the session that gave way last if its return is still awaited.  A probe
+        waits for that return: ``PROBE_AGAIN_MS`` at most, and the grace at most when the one
+        that gave way has not queued again (it went on to other work, or ended)."""
+        if affinity is None or affinity.returns > affinity.probed:
+            return True, None
+        since = now - affinity.probed_at
+        back = affinity.prober is not None and affinity.prober in q.waiting
+        if since >= PROBE_AGAIN_MS or not back and since >= GRACE_MS:
+            return True, None
+        return False, affinity.prober
 
     def _pick(self, q: _Queue, now: float) -> Optional[Waiter]:
         parent, child = q.head(PARENT), q.head(CHILD)

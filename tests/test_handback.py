@@ -3,11 +3,13 @@ boundary to a waiting parent", widened to the whole gap).
 
 Through a real socket: a keyed ``renew`` with ``handback: true`` says the holder is between two
 requests of its run.  Its slot goes at once to a parent the queue would grant next -- one queued
-now, or the first to come while the gap lasts -- and never to a child (the holder's own window,
-ended by a park, decides that).  A child holder always gives way; a parent holder where switches
-are cheap, or, where the queue does not know yet, once it has held the slot ``PARENT_SHARE_MS``
-since its grant (a short run is never split while a switch might cost a re-prefill), and never
-where they are dear.  The yield is logged as a ``release`` with reason ``handback``
+now, or the first to come while the gap lasts.  A child holder always gives way; a parent holder
+where switches are cheap, or, where the queue does not know yet, once it has held the slot
+``PARENT_SHARE_MS`` since its grant (a short run is never split while a switch might cost a
+re-prefill), and never where they are dear.  To a child, a slot goes in a gap only while the
+cost is unknown, to find it out: a child holder gives way after its share, one such hand-over at
+a time, and at once to the one that gave way last, whose return shows what the server kept
+(otherwise the holder's own window, ended by a park, decides).  The yield is logged as a ``release`` with reason ``handback``
 and counted as ``handbackYields`` in ``status``; the reply echoes ``busy``; an activity beat
 without the field ends the gap; a parked holder stays parked; a bad value is an error reply that
 changes nothing.  In the pure scheduler: a child due by aging is no parent, a re-tier to parent
@@ -185,13 +187,14 @@ def released(events: List[lq.Event]) -> List[tuple[str, str]]:
 
 
 def test_core_a_child_due_by_aging_is_next_so_a_handback_holder_keeps_its_slot() -> None:
-    s = sched(agingAfterMs=5000, agingAfterSlots=0)
+    s = sched(agingAfterMs=500, agingAfterSlots=0)
     s.acquire("h", K, "H", "child", now=T0)
     s.acquire("c", K, "C", "child", now=T0)
-    s.acquire("p", K, "P", "parent", now=T0 + 6000)  # the child C has waited past its aging
-    held, events = s.handback(K, "H", now=T0 + 6000)
-    assert held and events == []  # C would be next, and C is no parent
-    (q,) = s.status(now=T0 + 6000)
+    s.acquire("p", K, "P", "parent", now=T0 + 1000)  # the child C has waited past its aging
+    held, events = s.handback(K, "H", now=T0 + 1000)
+    # C would be next, and C is no parent (nor has H held the slot for its share: no probe)
+    assert held and events == []
+    (q,) = s.status(now=T0 + 1000)
     assert [w["sessionKey"] for w in q["waiting"]] == ["C", "P"] and q["handbackYields"] == 0
 
 
@@ -240,17 +243,72 @@ def test_core_while_the_cost_is_unknown_a_parent_gives_way_to_a_parent_once_per_
 
 
 def test_core_a_probe_that_never_comes_back_holds_up_the_next_one_only_for_probe_again_ms() -> None:
+    # The one that gave way queued again (after its tool call) but is not back on the slot yet:
+    # the next probe waits PROBE_AGAIN_MS at most.
     share, again = lq.PARENT_SHARE_MS, lq.PROBE_AGAIN_MS
     s = sched(agingAfterMs=0, agingAfterSlots=0)
     for name in "ABC":
         s.acquire(name.lower(), K, name, "parent", now=T0)
-    held, events = s.handback(K, "A", now=T0 + share)  # A's last response: it never comes back
+    held, events = s.handback(K, "A", now=T0 + share)
     assert granted(events) == ["B"]
+    s.acquire("a", K, "A", "parent", now=T0 + share + 500)  # behind C
     held, events = s.handback(K, "B", now=T0 + share + again - 1)
     assert held and events == []
     s.beat(K, "B", now=T0 + share + again, busy=True)
     held, events = s.handback(K, "B", now=T0 + share + again)
     assert not held and granted(events) == ["C"]
+
+
+def test_core_a_probe_that_does_not_queue_again_holds_up_the_next_one_only_for_the_grace() -> None:
+    # A's last response of its run looked like a tool call's: it never queues again, so its
+    # return will not come, and the next probe waits the grace at most.
+    share, grace = lq.PARENT_SHARE_MS, lq.GRACE_MS
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    for name in "ABC":
+        s.acquire(name.lower(), K, name, "parent", now=T0)
+    held, events = s.handback(K, "A", now=T0 + share)
+    assert granted(events) == ["B"]
+    assert grace > share  # B is past its share by then
+    held, events = s.handback(K, "B", now=T0 + share + grace - 1)
+    assert held and events == []
+    s.beat(K, "B", now=T0 + share + grace, busy=True)
+    held, events = s.handback(K, "B", now=T0 + share + grace)
+    assert not held and granted(events) == ["C"]
+
+
+def test_core_while_the_cost_is_unknown_a_child_gives_way_to_a_child_after_its_share_and_it_comes_back_at_once() -> None:
+    # Subagents that never come back mid-run never teach the queue what a switch costs: one of
+    # them gives way once it has held the slot for its share, and the next gives it back at its
+    # first request boundary, so the first one's return (what the server kept) tells.
+    share = lq.PARENT_SHARE_MS
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    s.acquire("a", K, "A", "child", now=T0)
+    s.usage(K, "A", 1000, 0)
+    s.acquire("b", K, "B", "child", now=T0)
+    s.acquire("c", K, "C", "child", now=T0)
+    held, events = s.handback(K, "A", now=T0 + share - 1)
+    assert held and events == []  # not past its share: its context might be evicted for nothing
+    s.beat(K, "A", now=T0 + share - 1, busy=True)
+    held, events = s.handback(K, "A", now=T0 + share)
+    assert not held and released(events) == [("A", "handback")] and granted(events) == ["B"]
+    s.acquire("a", K, "A", "child", now=T0 + share + 500, resume=True)  # after its tool call: ahead of C
+    s.usage(K, "B", 1000, 0)
+    held, events = s.handback(K, "B", now=T0 + share + 600)  # B's first gap, well inside its share
+    assert not held and granted(events) == ["A"]  # A is back at once
+    s.usage(K, "A", 10, 1000)  # and found its context kept
+    (q,) = s.status(now=T0 + share + 700)
+    assert q["affinity"]["returns"] == 1 and q["handbackYields"] == 2
+    assert [w["sessionKey"] for w in q["waiting"]] == ["C"]
+
+
+def test_core_a_child_gives_way_to_a_child_in_a_gap_only_while_the_cost_is_unknown() -> None:
+    for cost, gives in [("auto", True), ("dear", False), ("cheap", False)]:
+        # (where switches are cheap, the session itself parks at once instead: see test_affinity)
+        s = sched(agingAfterMs=0, agingAfterSlots=0, switchCost=cost)
+        s.acquire("a", K, "A", "child", now=T0)
+        s.acquire("b", K, "B", "child", now=T0)
+        held, events = s.handback(K, "A", now=T0 + 10 * lq.PARENT_SHARE_MS)
+        assert (granted(events) == ["B"]) is gives and held is not gives, cost
 
 
 def test_core_a_spare_stream_in_a_gap_goes_only_to_a_parent_that_can_take_it() -> None:
@@ -348,6 +406,39 @@ def test_a_child_session_handed_back_in_its_gap_is_next_after_the_parent_ahead_o
                 threading.Timer(0.3, lambda: parent.lease.release()).start()
                 with child.request(timeout=10) as lease:
                     assert lease.held and d.holders(K) == ["sub1"] and other.is_alive()
+
+
+def test_a_child_session_gives_way_to_a_child_after_its_share_while_the_cost_is_unknown() -> None:
+    for d in started(config={"defaults": {"agingAfterMs": 0, "agingAfterSlots": 0}}):
+        with client_of(d) as client:
+            a = client.session(K, "sub1", "child", grace_ms=5000)
+            b = client.session(K, "sub2", "child", grace_ms=5000)
+            b_in = threading.Event()
+
+            def run_b() -> None:
+                with b.run():  # queued behind sub1
+                    with b.request():
+                        b_in.set()
+                        b.usage(1000, 0)
+                    time.sleep(1.5)  # its tool call: sub1 comes back at this boundary
+
+            with a.run():
+                with a.request():
+                    a.usage(1000, 0)
+                t = threading.Thread(target=run_b, daemon=True)
+                t.start()
+                wait_for(lambda: d.waiting(K) == ["sub2"])
+                time.sleep(0.3)
+                assert d.holders(K) == ["sub1"]  # inside its share (and its window): kept
+                with a.request():
+                    time.sleep(lq.PARENT_SHARE_MS / 1000)
+                assert b_in.wait(SOON + 0.5)  # past its share: sub2 gets the slot at this boundary
+                assert d.queue(K)["handbackYields"] == 1
+                with a.request(timeout=10) as lease:  # queued again; back at sub2's first boundary
+                    assert lease.held and d.holders(K) == ["sub1"]
+                    assert t.is_alive()  # sub2 is still in its tool call
+                assert d.queue(K)["handbackYields"] == 2
+            t.join(10)
 
 
 # -- through the proxy, nothing named ----------------------------------------------------------------
