@@ -9,16 +9,19 @@ where switches are cheap, or, where the queue does not know yet, once it has hel
 re-prefill), and never where they are dear.  To a child, a slot goes in a gap only while the
 cost is unknown, to find it out: a child holder gives way after its share, one such hand-over at
 a time, and at once to the one that gave way last, whose return shows what the server kept
-(otherwise the holder's own window, ended by a park, decides).  The yield is logged as a ``release`` with reason ``handback``
-and counted as ``handbackYields`` in ``status``; the reply echoes ``busy``; an activity beat
-without the field ends the gap; a parked holder stays parked; a bad value is an error reply that
-changes nothing.  In the pure scheduler: a child due by aging is no parent, a re-tier to parent
-of a waiting child takes the slot, and a spare stream goes only to a parent that can take it.
+(otherwise the holder's own window, ended by a park, decides).  The yield is logged as a
+``release`` with reason ``handback`` and counted as ``handbackYields`` in ``status``; the reply
+echoes ``busy``; an activity beat without the field ends the gap; a parked holder stays parked;
+a bad value is an error reply that changes nothing.  In the pure scheduler: a child due by aging
+is no parent, a re-tier to parent of a waiting child takes the slot, a spare stream goes only to
+a parent that can take it, and a child gives way to a child only while the cost is unknown.
 
 Through ``Client``: a parent's session hands over between its requests to a waiting parent (two
 parents take turns request by request), unless the queue knows that a switch re-prefills there
 (``switchCost: dear``), where it keeps its tool-gap window; a child's session is next after the
-parent it handed back to, ahead of the other children.  Through the proxy, two agents with
+parent it handed back to, ahead of the other children; while the cost is unknown, a child's
+session gives way to another after its share and gets the slot back at the other's first request
+boundary.  Through the proxy, two agents with
 nothing named (both parents, the way a tool that marks nothing is seen): one of them no longer
 waits behind the other's tool calls, and the simulated server shows they took turns.
 """
@@ -276,7 +279,7 @@ def test_core_a_probe_that_does_not_queue_again_holds_up_the_next_one_only_for_t
     assert not held and granted(events) == ["C"]
 
 
-def test_core_while_the_cost_is_unknown_a_child_gives_way_to_a_child_after_its_share_and_it_comes_back_at_once() -> None:
+def test_core_while_the_cost_is_unknown_a_child_gives_way_to_a_child_after_its_share_and_gets_it_back() -> None:
     # Subagents that never come back mid-run never teach the queue what a switch costs: one of
     # them gives way once it has held the slot for its share, and the next gives it back at its
     # first request boundary, so the first one's return (what the server kept) tells.

@@ -13,7 +13,6 @@ always wins.
 
 from __future__ import annotations
 
-import http.client
 import json
 import tempfile
 import threading
@@ -26,6 +25,7 @@ import llmqueue as lq
 from tests.harness import DaemonProc, started, wait_for
 from tests.stub import StubEndpoint
 from tests.test_proxy import RunningProxy
+from tests.test_proxy_hold import post as post_bytes
 
 
 def chat(system: str, *turns: str) -> Dict[str, Any]:
@@ -147,16 +147,7 @@ def daemon() -> Iterator[DaemonProc]:
 
 def post(port: int, body: Dict[str, Any], who: str, finish: str = "stop") -> float:
     """One request through the proxy, with nothing named; returns when its response ended."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json", "X-Who": who, "X-Finish": finish})
-        response = conn.getresponse()
-        assert response.status == 200
-        response.read()
-        return time.monotonic()
-    finally:
-        conn.close()
+    return post_bytes(port, json.dumps(body).encode(), who, finish)
 
 
 def roles(daemon: DaemonProc, key: str, what: str) -> List[str]:
