@@ -795,7 +795,8 @@ class Holder:
         self.held = True
         self.parked = False  # its client waits on another agent: the slot goes to any waiter at once
         # Between two requests of its run (``handback``): the slot goes at once to a parent the
-        # queue would grant next, never to a child.  A parked holder yields to anyone anyway.
+        # queue would grant next, and to a child only while the queue's switch cost is unknown
+        # (``Scheduler._refill``).  A parked holder yields to anyone anyway.
         self.handback = False
         self.spare = spare  # on one of the queue's spare streams (parents only), not one of max_streams
         self.json = _who_json(session, role, group, spare)  # its entry in status replies
@@ -880,7 +881,7 @@ class Dequeued(NamedTuple):
 class Released(NamedTuple):
     """A slot returned: ``reason`` is release, cancel, disconnect, idle (an idle yield), parked
     (a parked holder handed over to a waiter) or handback (a holder between two requests handed
-    over to a waiting parent)."""
+    over to a waiting parent, or, while the switch cost is unknown, to a child)."""
 
     queue_key: str
     holder: Holder
@@ -955,8 +956,8 @@ class _Affinity:
         self.prompts: OrderedDict[str, int] = OrderedDict()
         self.kept: deque[float] = deque(maxlen=KEPT_SAMPLES)
         self.returns = 0
-        # ``returns`` when a parent last gave way to a parent while the cost was unknown, and when:
-        # the next such hand-over waits for a return since, so that one switch at a time finds it
+        # ``returns`` when a holder last gave way in a gap while the cost was unknown (a probe), and
+        # when: the next probe waits for a return since, so that one switch at a time finds it
         # out, or for ``PROBE_AGAIN_MS`` (the one that gave way may never come back)
         self.probed = -1
         self.probed_at = 0.0
@@ -1026,7 +1027,7 @@ class _Queue:
         self.queued = 0  # counters for status: acquires that had to wait, idle yields, TTL evictions
         self.idle_yields = 0
         self.park_yields = 0
-        self.handback_yields = 0  # slots holders between two requests handed to a waiting parent
+        self.handback_yields = 0  # slots holders between two requests handed over (``handback``)
         self.evictions = 0
         self.dead_ms = 0.0  # held with no request in flight while someone waited (closed spells)
         self.dead_by_session: OrderedDict[str, float] = OrderedDict()  # the same, the last 64 sessions
@@ -1900,7 +1901,7 @@ class Request(NamedTuple):
     reused: Optional[int] = None  # ... and those it served from its cache
     busy: Optional[bool] = None  # additive, on a keyed renew: whether a request is in flight
     spare: bool = False  # additive, on acquire: a parent may take a spare stream when every slot is held
-    handback: bool = False  # additive, on a keyed renew: between two requests, the slot goes to a waiting parent
+    handback: bool = False  # additive, on a keyed renew: between two requests (see Scheduler.handback)
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -2974,6 +2975,12 @@ class Lease:
         # parent gets the slot at once.  Its beats say so too, until the next request's.
         self._handback = False
 
+    def _set_role(self, role: str) -> None:
+        """The tier of this lease's next grant (its session was re-tiered); only a parent's
+        lease may take a spare stream."""
+        self.role = role
+        self.spare = self.spare and role == "parent"
+
     @property
     def held(self) -> bool:
         """True while the daemon holds the slot for us, as far as the last beat knows."""
@@ -3809,8 +3816,7 @@ class Session:
         with self._lock:
             self.lease = lease
             if lease.role != self.role:  # re-tiered while it queued (``set_role``): its next grant
-                lease.role = self.role
-                lease.spare = lease.spare and self.role == "parent"
+                lease._set_role(self.role)
         return lease
 
     def settle(self, park_after: Optional[float] = None) -> None:
@@ -3976,10 +3982,8 @@ class Session:
             if role == self.role:
                 return
             self.role = role
-            lease = self.lease
-            if lease is not None:
-                lease.role = role
-                lease.spare = lease.spare and role == "parent"
+            if self.lease is not None:
+                self.lease._set_role(role)
         self.client._quietly({"op": "role", "sessionKey": self.session_key, "role": role})
 
     def usage(self, prefilled: int, reused: int = 0) -> None:
@@ -4652,6 +4656,13 @@ class _ProxySession:
         self.last_end: Optional[float] = None  # when its last response ended (monotonic)
         self.gaps: deque[float] = deque(maxlen=3)  # its last gaps, response end to next request
 
+    def set_role(self, role: str) -> None:
+        """Re-tier the session (``Session.set_role``), with the settle rule of the proxy's sessions
+        in that tier: a subagent's never parks at settle (its grace keeps its context across the
+        tool call), a parent's follows its own rule."""
+        self.session.yield_on_settle = role == "parent"
+        self.session.set_role(role)
+
 
 class Proxy:
     """The reverse proxy: forwards every request to ``upstream`` unchanged (less hop-by-hop
@@ -4774,8 +4785,7 @@ class Proxy:
             while len(people) > 256:
                 people.popitem(last=False)
         for ps in behind:
-            ps.session.yield_on_settle = False
-            ps.session.set_role("child")
+            ps.set_role("child")
         return "parent", True
 
     def hold_window(self, ps: _ProxySession, ending: Optional[str]) -> Optional[float]:
@@ -4838,8 +4848,7 @@ class Proxy:
                     ps.gaps.append(gap)
                     self._recent_gaps.append(gap)
         if retier:  # a person spoke in it, or in another: the session changes tier from here
-            ps.session.yield_on_settle = role == "parent"
-            ps.session.set_role(role)
+            ps.set_role(role)
         waiting = threading.Event()
         if client_sock is not None:
             threading.Thread(target=self._watch_hangup, args=(client_sock, waiting, key),
@@ -5803,7 +5812,7 @@ def format_prometheus(queues: list[dict[str, Any]]) -> str:
         ("llmqueue_idle_yields_total", "counter", "Slots taken from idle holders for a waiter.", []),
         ("llmqueue_park_yields_total", "counter", "Slots parked holders handed to a waiter at once.", []),
         ("llmqueue_handback_yields_total", "counter",
-         "Slots holders between two requests handed to a waiting parent at once.", []),
+         "Slots holders between two requests handed over at once.", []),
         ("llmqueue_ttl_evictions_total", "counter", "Slots reclaimed from dead clients (TTL lapsed).", []),
         ("llmqueue_prefilled_tokens_total", "counter", "Prompt tokens the server computed, as it reported them.", []),
         ("llmqueue_reused_tokens_total", "counter", "Prompt tokens the server served from its cache.", []),
