@@ -116,13 +116,16 @@ GRACE_MS = 3000  # spec: a client releases this long after its run settles
 # through the person's think time: measured on the interactive workload, a 1 s window spent half
 # of a 2 s think time idle, and the background got a quarter of its requests done.
 PARENT_HANDBACK_MS = 250
-# Between two of its requests, a parent holder's slot goes to a waiting parent where switches are
-# cheap, and where the queue does not know yet once it has held the slot this long since its grant
-# (two agents with nothing named, both parents, then take turns instead of one waiting out the
-# other's whole run; a short run is never split while a switch might cost a re-prefill).
+# Between two of its requests, a holder's slot goes to a waiting parent where switches are cheap
+# (two agents with nothing named, both parents, take turns instead of one waiting out the other's
+# whole run).  While the queue does not know yet what a switch costs, a holder that has held the
+# slot this long since its grant gives way in a gap to find it out (a probe, to a parent or to a
+# child; a short run is never split while a switch might cost a re-prefill, and a long one is
+# where the answer pays).  The one that gave way queues again ahead of its tier and is given the
+# slot back at the next gap, whoever holds it, so its return shows what the server kept.
 PARENT_SHARE_MS = 2000
-# While the cost is unknown, one such hand-over at a time: the next waits until a session has come
-# back (and said what it found kept), or this long, since the one that gave way may not come back.
+# One probe at a time: the next waits until a session has come back (and said what it found
+# kept), or this long, since the one that gave way may not come back.
 PROBE_AGAIN_MS = 10_000
 
 ROLES = ("parent", "child")  # wire names of the tiers, in grant order
@@ -1003,7 +1006,7 @@ class _Queue:
     __slots__ = (
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
-        "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents",
+        "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents", "resumers",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -1031,6 +1034,10 @@ class _Queue:
         self.evictions = 0
         self.dead_ms = 0.0  # held with no request in flight while someone waited (closed spells)
         self.dead_by_session: OrderedDict[str, float] = OrderedDict()  # the same, the last 64 sessions
+        # sessions whose next acquire with ``resume`` queues ahead of their tier: a child that
+        # gave its slot to a parent (its context is the warmest), and the holder that gave way in
+        # a probe (its return tells what a switch costs); the last 1024 of them
+        self.resumers: OrderedDict[str, None] = OrderedDict()
 
     def held(self) -> int:
         return len(self.holders) + len(self.extra)
@@ -1071,6 +1078,12 @@ class _Queue:
                 if other.session == session and other.key == key:
                     return other
         return holder
+
+    def may_resume(self, session: str) -> None:
+        self.resumers.pop(session, None)
+        self.resumers[session] = None
+        while len(self.resumers) > 1024:
+            self.resumers.popitem(last=False)
 
     def reset(self) -> None:
         self.holders, self.extra, self.waiting = {}, [], {}
@@ -1163,8 +1176,10 @@ class Scheduler:
         """A session asks for a slot of the queue ``key`` names.  Granted at once when a slot is
         free (or the queue is passthrough); otherwise queued by tier.  A session that already
         holds is re-granted without a second slot; one already waiting is not queued twice.
-        ``resume``: a child that just handed its slot back to a waiting parent queues ahead of
-        the other children (its context is the warmest); ``fifo`` queues ignore it.
+        ``resume``: a session that just gave its slot up queues ahead of the others of its tier,
+        where it earned that: a child that handed its slot to a parent (its context is the
+        warmest), or a holder that gave way to find out what a switch costs (its return tells).
+        Otherwise, and on ``fifo`` queues, it is ignored.
         ``spare``: a parent that finds every slot held by children takes one of the queue's
         spare streams (``parent_streams``) when one is free and no parent waits ahead of it, so
         it streams beside the children instead of waiting for them; children never use those."""
@@ -1188,8 +1203,9 @@ class Scheduler:
             return [Granted(q.key, holder, ((conn, key),))]
         self._seq += 1
         seq = self._seq
-        if resume and tier == CHILD and q.policy.policy != "fifo":
-            seq -= RESUME_AHEAD  # ahead of every child queued the usual way, FIFO among resumers
+        earned = q.resumers.pop(session, 0) is None
+        if resume and earned and q.policy.policy != "fifo":
+            seq -= RESUME_AHEAD  # ahead of its tier queued the usual way, FIFO among resumers
         w = Waiter(q, session, tier, group, activity, seq, key, now, spare)
         w.targets[(conn, key)] = None
         q.queued += 1
@@ -1205,6 +1221,8 @@ class Scheduler:
         if q is None or holder is None:
             return []
         events: list[Event] = []
+        if holder.role == CHILD and q.head(PARENT) is not None and q.frees_for_waiter(holder):
+            q.may_resume(session)  # a child's hand-back at a request boundary: next after the parent
         self._drop_lease(holder, Released(q.key, holder, reason), events, now)
         self._refill(q, now, events)
         self._settle(q)
@@ -1791,13 +1809,13 @@ class Scheduler:
             def gives_way(h: Holder) -> bool:
                 if h.parked:
                     return True
-                shared = cost == "unknown" and probe and now - h.granted_at >= PARENT_SHARE_MS
+                # while the cost is unknown: a probe (one at a time, after the holder's share), or
+                # the slot back at once to the one that gave way last, whose return is awaited
+                finds_out = cost == "unknown" and nxt is not None and (
+                    probe and now - h.granted_at >= PARENT_SHARE_MS or nxt.session == prober)
                 if not to_parent and not h.spare:  # a spare stream only goes to a parent anyway
-                    # a child's slot to a child only while the cost is unknown, to find it out:
-                    # after its share, one at a time, and at once to the one that gave way last
-                    return h.role == CHILD and cost == "unknown" and nxt is not None and (
-                        shared or nxt.session == prober)
-                return h.role == CHILD or cost == "cheap" or shared
+                    return h.role == CHILD and finds_out  # a child's slot to a child: only to find out
+                return h.role == CHILD or cost == "cheap" or finds_out
 
             holder = next((h for h in q.parked if gives_way(h) and q.frees_for_waiter(h)), None)
             if holder is None:
@@ -1806,10 +1824,14 @@ class Scheduler:
                 q.park_yields += 1
             else:
                 q.handback_yields += 1
-                if cost == "unknown" and (holder.role == PARENT or not to_parent):  # a probe: its return will tell
+                if holder.role == CHILD and to_parent:
+                    q.may_resume(holder.session)  # next after the parent, ahead of the other children
+                elif cost == "unknown" and nxt is not None and nxt.session != prober:
+                    # a probe: the holder queues again ahead of its tier, and its return will tell
                     record = self._affinity_of(q.key)
                     record.probed, record.probed_at, record.prober = record.returns, now, holder.session
                     probe, prober = False, holder.session
+                    q.may_resume(holder.session)
             self._drop_lease(holder, Released(q.key, holder, "parked" if holder.parked else "handback"),
                              events, now)
             self._fill(q, now, events)
@@ -2970,7 +2992,7 @@ class Lease:
         self._next_beat = 0.0
         self._parked = False  # the daemon was told this pause (a parked beat went out)
         self._parent_waiting = False  # the last beat reply said a parent waits for this child's slot
-        self._resume = False  # the next acquire hands back: it queues ahead of the other children
+        self._resume = False  # the next acquire asks to queue ahead of its tier (the daemon decides)
         # Between two requests, the daemon told so (a ``handback`` renew went out): a waiting
         # parent gets the slot at once.  Its beats say so too, until the next request's.
         self._handback = False
@@ -3007,8 +3029,10 @@ class Lease:
         handed, self._handback = self._handback, False  # this beat ends the gap
         if self.held and not self.beat():
             self.lost = True
-        if self.lost and handed and self.role == "child":
-            self._resume = True  # it went to a parent in the gap: queue ahead of the other children
+        if self.lost and handed:
+            # it gave way in the gap: to a parent (a child queues next after it), or to find out
+            # what a switch costs (its return tells); the daemon knows which, and may refuse
+            self._resume = True
         if self.lost or not self.queued:
             self.client._reacquire(self, timeout)
         return self

@@ -8,8 +8,11 @@ where switches are cheap, or, where the queue does not know yet, once it has hel
 ``PARENT_SHARE_MS`` since its grant (a short run is never split while a switch might cost a
 re-prefill), and never where they are dear.  To a child, a slot goes in a gap only while the
 cost is unknown, to find it out: a child holder gives way after its share, one such hand-over at
-a time, and at once to the one that gave way last, whose return shows what the server kept
-(otherwise the holder's own window, ended by a park, decides).  The yield is logged as a
+a time.  The one that gave way (a parent or a child) queues again ahead of its tier (``resume``)
+and any holder gives it the slot back at once at its next gap, so its return shows what the
+server kept (otherwise the holder's own window, ended by a park, decides).  ``resume`` is
+honoured only where it was earned so, or by a child that gave its slot to a parent: two sessions
+never take turns ahead of a third.  The yield is logged as a
 ``release`` with reason ``handback`` and counted as ``handbackYields`` in ``status``; the reply
 echoes ``busy``; an activity beat without the field ends the gap; a parked holder stays parked;
 a bad value is an error reply that changes nothing.  In the pure scheduler: a child due by aging
@@ -107,6 +110,31 @@ def test_a_parent_holder_gives_way_to_a_parent_only_after_its_share_while_switch
         sent = time.monotonic()
         a.send(gap("A"))  # ...ended, past its share: B's turn
         assert b.recv(SOON)["op"] == "granted" and time.monotonic() - sent < SOON
+
+
+def test_the_parent_that_gave_way_to_find_out_is_given_the_slot_back_at_the_next_gap() -> None:
+    for d in started(config={"defaults": {"agingAfterMs": 0, "agingAfterSlots": 0}}):
+        a, b, c = d.peer(), d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        b.send(acquire("B"))
+        c.send(acquire("C"))
+        wait_for(lambda: d.waiting(K) == ["B", "C"])
+        time.sleep(lq.PARENT_SHARE_MS / 1000)
+        a.send(gap("A"))  # past its share: B's turn, to find out what a switch costs
+        assert b.recv(SOON)["op"] == "granted"
+        a.recv(SOON)  # the renew's ok
+        a.send({**acquire("A"), "resume": True})  # after its tool call
+        wait_for(lambda: sorted(d.waiting(K)) == ["A", "C"])
+        b.ask(beat("B"))  # B's request...
+        sent = time.monotonic()
+        b.send(gap("B"))  # ...ended, well inside B's share: A is back at once, ahead of C
+        assert a.recv(SOON)["op"] == "granted" and time.monotonic() - sent < SOON and c.silent(0.2)
+        b.recv(SOON)
+        b.send({**acquire("B"), "resume": True})  # B only gave the slot back: it earned no priority
+        wait_for(lambda: sorted(d.waiting(K)) == ["B", "C"])
+        a.ask({"op": "release", "queueKey": K, "sessionKey": "A"})
+        assert c.recv(SOON)["op"] == "granted" and b.silent(0.2)
+        assert d.queue(K)["handbackYields"] == 2
 
 
 def test_where_switches_are_dear_a_parent_holder_never_gives_way_in_a_gap() -> None:
@@ -304,6 +332,49 @@ def test_core_while_the_cost_is_unknown_a_child_gives_way_to_a_child_after_its_s
     assert [w["sessionKey"] for w in q["waiting"]] == ["C"]
 
 
+def test_core_resume_is_honoured_only_where_it_was_earned() -> None:
+    # Two sessions that hand the slot to each other never take turns ahead of a third: only a
+    # child that gave its slot to a parent, or the holder that gave way in a probe, queues ahead.
+    s = sched(agingAfterMs=0, agingAfterSlots=0, switchCost="cheap")
+    s.acquire("c", K, "C", "child", now=T0)
+    s.acquire("a", K, "A", "child", now=T0)
+    assert granted(s.release(K, "C", now=T0 + 1)) == ["A"]
+    s.acquire("c", K, "C", "child", now=T0 + 2, resume=True)  # it gave its slot to a child: no priority
+    s.acquire("b", K, "B", "child", now=T0 + 3)
+    s.acquire("p", K, "P", "parent", now=T0 + 4)
+    held, events = s.handback(K, "A", now=T0 + 5)  # A's gap: its slot goes to the parent
+    assert not held and granted(events) == ["P"]
+    s.acquire("a", K, "A", "child", now=T0 + 6, resume=True)  # A gave its slot to a parent: first
+    assert granted(s.release(K, "P", now=T0 + 7)) == ["A"]
+    s.acquire("x", K, "X", "parent", now=T0 + 8)
+    assert granted(s.release(K, "A", now=T0 + 9)) == ["X"]  # a hand-back at a request boundary
+    s.acquire("a", K, "A", "child", now=T0 + 10, resume=True)  # next after the parent again
+    assert granted(s.release(K, "X", now=T0 + 11)) == ["A"]
+    assert granted(s.release(K, "A", now=T0 + 12)) == ["C"]  # C, then B: in the order they queued
+    assert granted(s.release(K, "C", now=T0 + 13)) == ["B"]
+
+
+def test_core_a_parent_that_gave_way_to_find_out_comes_back_at_once_ahead_of_the_other_parents() -> None:
+    # Agents with nothing named are all parents: the one that gave way must come back, or its
+    # return never tells, and the others wait out whole runs meanwhile.
+    share = lq.PARENT_SHARE_MS
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    for name in "ABC":
+        s.acquire(name.lower(), K, name, "parent", now=T0)
+    s.usage(K, "A", 1000, 0)
+    held, events = s.handback(K, "A", now=T0 + share)  # the probe
+    assert not held and granted(events) == ["B"]
+    s.acquire("a", K, "A", "parent", now=T0 + share + 500, resume=True)  # after its tool call
+    s.usage(K, "B", 1000, 0)
+    held, events = s.handback(K, "B", now=T0 + share + 600)  # B's first gap, inside its share
+    assert not held and granted(events) == ["A"]  # A is back at once, ahead of C who waited longer
+    s.acquire("b", K, "B", "parent", now=T0 + share + 700, resume=True)  # B only gave it back: behind C
+    s.usage(K, "A", 10, 1000)  # A's return: its context was kept
+    (q,) = s.status(now=T0 + share + 800)
+    assert q["affinity"]["returns"] == 1 and q["handbackYields"] == 2
+    assert granted(s.release(K, "A", now=T0 + share + 900)) == ["C"]
+
+
 def test_core_a_child_gives_way_to_a_child_in_a_gap_only_while_the_cost_is_unknown() -> None:
     for cost, gives in [("auto", True), ("dear", False), ("cheap", False)]:
         # (where switches are cheap, the session itself parks at once instead: see test_affinity)
@@ -442,6 +513,27 @@ def test_a_child_session_gives_way_to_a_child_after_its_share_while_the_cost_is_
                     assert t.is_alive()  # sub2 is still in its tool call
                 assert d.queue(K)["handbackYields"] == 2
             t.join(10)
+
+
+def test_a_parent_session_that_gave_way_to_find_out_is_back_at_the_next_gap_ahead_of_other_parents() -> None:
+    for d in started(config={"defaults": {"agingAfterMs": 0, "agingAfterSlots": 0}}):
+        with client_of(d) as client:
+            a = client.session(K, "A", "parent", grace_ms=5000, spare=False)
+            b, c = d.peer(), d.peer()
+            with a.run():
+                b.send(acquire("B"))
+                c.send(acquire("C"))
+                wait_for(lambda: d.waiting(K) == ["B", "C"])
+                with a.request():
+                    a.usage(1000, 0)
+                    time.sleep(lq.PARENT_SHARE_MS / 1000)
+                assert b.recv(SOON + 0.5)["op"] == "granted"  # its gap, past its share: a probe
+                b_usage = {"op": "usage", "queueKey": K, "sessionKey": "B", "prefilled": 1000, "reused": 0}
+                threading.Timer(0.3, lambda: (b.ask(beat("B")), b.ask(b_usage), b.send(gap("B")))).start()
+                with a.request(timeout=10) as lease:  # queued again: back at B's next gap, before C
+                    assert lease.held and d.holders(K) == ["A"] and sorted(d.waiting(K)) == ["C"]
+                    a.usage(10, 1000)  # its return: what the server kept
+            wait_for(lambda: d.queue(K)["affinity"]["returns"] == 1)
 
 
 # -- through the proxy, nothing named ----------------------------------------------------------------
