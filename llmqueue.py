@@ -118,11 +118,12 @@ GRACE_MS = 3000  # spec: a client releases this long after its run settles
 PARENT_HANDBACK_MS = 250
 # Between two of its requests, a holder's slot goes to a waiting parent where switches are cheap
 # (two agents with nothing named, both parents, take turns instead of one waiting out the other's
-# whole run).  While the queue does not know yet what a switch costs, a holder that has held the
-# slot this long since its grant gives way in a gap to find it out (a probe, to a parent or to a
-# child; a short run is never split while a switch might cost a re-prefill, and a long one is
-# where the answer pays).  The one that gave way queues again ahead of its tier and is given the
-# slot back at the next gap, whoever holds it, so its return shows what the server kept.
+# whole run).  While the queue does not know yet what a switch costs, a holder gives way in a gap
+# to find it out (a probe, to a parent or to a child): the first time once it has held the slot
+# this long since its grant (a short run is not split to ask, and a long one is where the answer
+# pays), and at its next gap once a session came back and found its context kept (so far the
+# answer looks cheap).  The one that gave way queues again ahead of its tier and is given the slot
+# back at the next gap, whoever holds it, so its return shows what the server kept.
 PARENT_SHARE_MS = 2000
 # One probe at a time: the next waits until a session has come back (and said what it found
 # kept), or this long, since the one that gave way may not come back.
@@ -1797,6 +1798,7 @@ class Scheduler:
         self._fill(q, now, events)
         cost: Optional[str] = None
         probe = False  # while the cost is unknown: no hand-over since the last one waits for a return
+        first = True  # nobody came back yet: the first probe waits for the holder's share
         prober: Optional[str] = None  # the session that gave way last, while its return is awaited
         while q.waiting and q.parked:
             nxt = self._pick(q, now)
@@ -1805,14 +1807,16 @@ class Scheduler:
                 affinity = self._affinity.get(q.key)
                 cost = switch_cost(affinity.kept if affinity else (), q.policy.switch_cost)
                 probe, prober = self._probe(q, affinity, now)
+                first = affinity is None or not affinity.kept
 
             def gives_way(h: Holder) -> bool:
                 if h.parked:
                     return True
-                # while the cost is unknown: a probe (one at a time, after the holder's share), or
-                # the slot back at once to the one that gave way last, whose return is awaited
+                # while the cost is unknown: a probe (one at a time; the first after the holder's
+                # share), or the slot back at once to the one that gave way last, whose return is
+                # awaited
                 finds_out = cost == "unknown" and nxt is not None and (
-                    probe and now - h.granted_at >= PARENT_SHARE_MS or nxt.session == prober)
+                    probe and (not first or now - h.granted_at >= PARENT_SHARE_MS) or nxt.session == prober)
                 if not to_parent and not h.spare:  # a spare stream only goes to a parent anyway
                     return h.role == CHILD and finds_out  # a child's slot to a child: only to find out
                 return h.role == CHILD or cost == "cheap" or finds_out
@@ -3134,6 +3138,9 @@ class Client:
         self._leases: dict[tuple[str, str], list[Lease]] = {}
         self._recent_gaps: deque[float] = deque(maxlen=8)  # its sessions' tool gaps: a new one's first guess
         self._switch_costs: OrderedDict[str, str] = OrderedDict()  # per queue key, from usage replies
+        # per queue key, per session: a subagent's gap park, run at once should the queue learn
+        # meanwhile that switches are cheap (the usage reply that says so comes after the gap began)
+        self._when_cheap: OrderedDict[str, dict[str, Callable[[], None]]] = OrderedDict()
         self._cancels: dict[tuple[str, str], int] = {}  # cancel generation per (queue, session)
         self._heard = False  # the current connection has delivered a reply
         self._greeted = -1  # the connection generation that was sent its opening renew
@@ -3303,10 +3310,14 @@ class Client:
                 if self._statuses:
                     self._statuses.pop(0).resolve(reply)
             elif op == "ok" and reply.get("switchCost") in ("cheap", "dear", "unknown"):
-                self._switch_costs.pop(key[0], None)
-                self._switch_costs[key[0]] = str(reply["switchCost"])
+                cost = str(reply["switchCost"])
+                was = self._switch_costs.pop(key[0], None)
+                self._switch_costs[key[0]] = cost
                 while len(self._switch_costs) > 1024:
                     self._switch_costs.popitem(last=False)
+                if cost == "cheap" and was != "cheap":  # a subagent in a gap keeps nobody waiting now
+                    for park in self._when_cheap.pop(key[0], {}).values():
+                        self.call_later(0.0, park)
             # anything else (a release's ok, a bare renew's ok, an error) has nobody waiting
 
     def _connection_lost(self, sock: socket.socket, generation: int) -> None:
@@ -3589,6 +3600,16 @@ class Client:
         Never blocks, never raises for a daemon that is gone."""
         self._quietly({"op": "usage", "queueKey": queue_key, "sessionKey": session_key,
                        "prefilled": int(prefilled), "reused": int(reused)})
+
+    def _park_when_cheap(self, queue_key: str, session_key: str, park: Callable[[], None]) -> None:
+        """Run ``park`` (a session's gap park, void once the gap is over) as soon as a usage reply
+        says that switches of ``queue_key``'s slot are cheap."""
+        with self._cv:
+            parks = self._when_cheap.pop(queue_key, None) or {}
+            parks[session_key] = park  # its latest gap's
+            self._when_cheap[queue_key] = parks
+            while len(self._when_cheap) > 1024:
+                self._when_cheap.popitem(last=False)
 
     def switch_cost(self, queue_key: str) -> str:
         """What a switch of ``queue_key``'s slot costs, as the daemon last answered a usage report
@@ -3984,6 +4005,8 @@ class Session:
                     self._settled.__enter__()
 
         self.client.call_later(window, park)
+        if window > 0 and self.role == "child":
+            self.client._park_when_cheap(self.queue_key, self.session_key, park)
 
     def _hands_back_in_gaps(self) -> bool:
         """Whether, between two requests (after one, and when a run settles), the slot goes at

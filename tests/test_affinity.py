@@ -166,6 +166,30 @@ def test_where_switches_are_dear_it_keeps_its_slot_across_the_tool_call() -> Non
             assert hand_over_delay(d, client) > 3.0  # before its first gap: the whole 4 s grace
 
 
+def test_a_subagent_in_its_gap_hands_over_as_soon_as_the_queue_learns_that_switches_are_cheap() -> None:
+    # The usage reply that says so comes after the gap began (a report of another session, or
+    # the session's own, sent after its request): its window no longer keeps the waiter waiting.
+    for d in started():
+        with client_of(d) as client:
+            teach(client, kept=False)  # an eviction: dear, and nobody gives way to find out
+            s = client.session(K, "sub1", "child", grace_ms=4000)
+            with s.run():
+                with s.request():
+                    other = grant_after(client, "sub2", "child")
+                    wait_for(lambda: d.waiting(K) == ["sub2"])
+                time.sleep(0.3)
+                assert other.is_alive()  # its first gap: the whole 4 s grace, where switches are dear
+                for name in ("teach-A", "teach-B", "teach-A"):  # returns that found their context kept...
+                    client.usage(K, name, 10, 1000)
+                wait_for(lambda: d.queue(K)["affinity"]["returns"] == 5)
+                assert client.switch_cost(K) == "dear" and other.is_alive()
+                client.usage(K, "teach-B", 10, 1000)  # ...the fourth in a row: cheap
+                told = time.monotonic()
+                other.join(SOON + 0.5)
+                assert not other.is_alive() and time.monotonic() - told < SOON
+                other.lease.release()
+
+
 def test_a_client_knows_nothing_before_a_report() -> None:
     c = lq.Client(short_tmpdir(), autostart=False)
     try:

@@ -330,6 +330,10 @@ def test_core_while_the_cost_is_unknown_a_child_gives_way_to_a_child_after_its_s
     (q,) = s.status(now=T0 + share + 700)
     assert q["affinity"]["returns"] == 1 and q["handbackYields"] == 2
     assert [w["sessionKey"] for w in q["waiting"]] == ["C"]
+    s.acquire("b", K, "B", "child", now=T0 + share + 750, resume=True)  # B only gave it back: behind C
+    # so far switches look cheap: the next probe waits for no share (A was granted 100 ms ago)
+    held, events = s.handback(K, "A", now=T0 + share + 800)
+    assert not held and granted(events) == ["C"]
 
 
 def test_core_resume_is_honoured_only_where_it_was_earned() -> None:
