@@ -757,7 +757,7 @@ class LeaseTerms(NamedTuple):
 Conn = Any  # an opaque, hashable connection identity chosen by the caller
 Target = Tuple[Any, str]  # (connection, the queueKey that connection asked with)
 
-# A resumed child's enqueue number is taken this far below the usual ones: ahead of them all.
+# A resumed waiter's enqueue number is taken this far below the usual ones: ahead of its tier.
 RESUME_AHEAD = 1 << 62
 # Empty queues that no config entry names are forgotten (oldest first, with their counters) once
 # there are more queues than this: queue keys are chosen by peers, so they must not pile up.
@@ -931,14 +931,17 @@ class Usage(NamedTuple):
     switch_cost: str = "unknown"  # the queue's switches as of this report: cheap, dear, unknown
 
 
-def switch_cost(kept: Sequence[float], setting: str = "auto") -> str:
+def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional[Sequence[str]] = None) -> str:
     """What a switch costs on a queue: its ``switchCost`` setting, or (``auto``) learned from the
     share of their context that sessions back on the slot after another found kept (the server's
     own counts): ``cheap`` when each of the most recent ``KEPT_SAMPLES`` kept at least
-    ``KEPT_CHEAP`` (and at least two came back), ``dear`` when one of them did not, ``unknown``
-    before any session came back.  One eviction among them is enough for ``dear``: a server
-    that keeps most contexts but not all (a host cache that holds two agents of four) evicts
-    more once the queue hands over at every tool call, so ``cheap`` must be earned in a row."""
+    ``KEPT_CHEAP`` (and at least two sessions came back: ``sessions`` names who came back, each
+    return in turn; without it every return counts as another session's), ``dear`` when one of
+    them did not, ``unknown`` before any session came back.  One eviction among them is enough
+    for ``dear``: a server that keeps most contexts but not all (a host cache that holds two
+    agents of four) evicts more once the queue hands over at every tool call, so ``cheap`` must
+    be earned in a row.  Two sessions, because one that keeps coming back after a single other
+    only shows that the server keeps two contexts."""
     if setting != "auto":
         return setting
     recent = list(kept)[-KEPT_SAMPLES:]
@@ -946,19 +949,21 @@ def switch_cost(kept: Sequence[float], setting: str = "auto") -> str:
         return "unknown"
     if min(recent) < KEPT_CHEAP:
         return "dear"
-    return "cheap" if len(recent) >= 2 else "unknown"
+    who = len(set(list(sessions)[-KEPT_SAMPLES:])) if sessions is not None else len(recent)
+    return "cheap" if who >= 2 else "unknown"
 
 
 class _Affinity:
     """A queue's switch record, from its usage reports: who reported last, each session's last
     prompt (its size in tokens), and the share kept by each return after a switch."""
 
-    __slots__ = ("last", "prompts", "kept", "returns", "probed", "probed_at", "prober")
+    __slots__ = ("last", "prompts", "kept", "back", "returns", "probed", "probed_at", "prober")
 
     def __init__(self) -> None:
         self.last: Optional[str] = None
         self.prompts: OrderedDict[str, int] = OrderedDict()
         self.kept: deque[float] = deque(maxlen=KEPT_SAMPLES)
+        self.back: deque[str] = deque(maxlen=KEPT_SAMPLES)  # who came back, for each of ``kept``
         self.returns = 0
         # ``returns`` when a holder last gave way in a gap while the cost was unknown (a probe), and
         # when: the next probe waits for a return since, so that one switch at a time finds it
@@ -975,12 +980,21 @@ class _Affinity:
         if before and self.last is not None and self.last != session:
             kept = min(1.0, reused / before)
             self.kept.append(kept)
+            self.back.append(session)
             self.returns += 1
         self.prompts[session] = prefilled + reused
         while len(self.prompts) > 1024:
             self.prompts.popitem(last=False)
         self.last = session
         return kept
+
+    def cost(self, setting: str = "auto") -> str:
+        return switch_cost(self.kept, setting, self.back)
+
+    def saved(self) -> list[float]:
+        """The returns a later daemon starts from (it cannot tell who came back): all of them
+        where they decide the cost, else only the latest, so that it too does not know yet."""
+        return list(self.kept) if self.cost() != "unknown" else list(self.kept)[-1:]
 
 
 class Dead(NamedTuple):
@@ -1186,6 +1200,8 @@ class Scheduler:
         it streams beside the children instead of waiting for them; children never use those."""
         tier = ROLES.index(role)
         q = self._queue_for(key)
+        earned = session in q.resumers  # used by this acquire, or lost: earned for the next one only
+        q.resumers.pop(session, None)
         holder = q.holder_for(key, session)
         if holder is not None:
             self._attach(holder, conn)
@@ -1204,7 +1220,6 @@ class Scheduler:
             return [Granted(q.key, holder, ((conn, key),))]
         self._seq += 1
         seq = self._seq
-        earned = q.resumers.pop(session, 0) is None
         if resume and earned and q.policy.policy != "fifo":
             seq -= RESUME_AHEAD  # ahead of its tier queued the usual way, FIFO among resumers
         w = Waiter(q, session, tier, group, activity, seq, key, now, spare)
@@ -1222,8 +1237,10 @@ class Scheduler:
         if q is None or holder is None:
             return []
         events: list[Event] = []
-        if holder.role == CHILD and q.head(PARENT) is not None and q.frees_for_waiter(holder):
-            q.may_resume(session)  # a child's hand-back at a request boundary: next after the parent
+        if reason == "release" and holder.role == CHILD and q.frees_for_waiter(holder):
+            nxt = self._pick(q, now)
+            if nxt is not None and nxt.role == PARENT:  # a hand-back at a request boundary
+                q.may_resume(session)  # next after the parent, ahead of the other children
         self._drop_lease(holder, Released(q.key, holder, reason), events, now)
         self._refill(q, now, events)
         self._settle(q)
@@ -1290,7 +1307,7 @@ class Scheduler:
         kept = affinity.report(session, prefilled, reused)
         setting = q.policy.switch_cost if q else self.addressing.address_endpoint(key)[1].switch_cost
         return Usage(resolved, session, prefilled, reused, holder.seq if holder else None, kept,
-                     switch_cost(affinity.kept, setting))
+                     affinity.cost(setting))
 
     def _affinity_of(self, key: str) -> _Affinity:
         """The switch record of queue ``key``, made if new, as the most recently used."""
@@ -1303,16 +1320,19 @@ class Scheduler:
     def affinity_kept(self) -> dict[str, list[float]]:
         """Each queue's latest returns (the share of its context each found kept): what a
         switch costs there, learned, to carry into a later daemon (``seed_affinity``)."""
-        return {key: list(a.kept) for key, a in self._affinity.items() if a.kept}
+        return {key: a.saved() for key, a in self._affinity.items() if a.kept}
 
     def seed_affinity(self, kept: dict[str, list[float]]) -> None:
         """What an earlier daemon learned (``affinity_kept``): each queue's returns, older than
         any of its own, so a switch cost is known before anyone comes back."""
         for key, shares in kept.items():
             affinity = self._affinity.pop(key, None) or _Affinity()
-            own = list(affinity.kept)
+            own, own_back = list(affinity.kept), list(affinity.back)
+            seeded = list(shares)[-KEPT_SAMPLES:]
             affinity.kept.clear()
-            affinity.kept.extend(list(shares)[-KEPT_SAMPLES:] + own)  # the latest KEPT_SAMPLES stay
+            affinity.kept.extend(seeded + own)  # the latest KEPT_SAMPLES stay
+            affinity.back.clear()  # who came back then is not known: one session each
+            affinity.back.extend([f"\x00earlier-{i}" for i in range(len(seeded))] + own_back)
             self._affinity[key] = affinity
         while len(self._affinity) > 4096:
             self._affinity.popitem(last=False)
@@ -1591,7 +1611,8 @@ class Scheduler:
             affinity = self._affinity.get(q.key)
             if affinity is not None or q.policy.switch_cost != "auto":  # additive, likewise
                 kept = list(affinity.kept) if affinity else []
-                head["affinity"] = {"switchCost": switch_cost(kept, q.policy.switch_cost),
+                cost = affinity.cost(q.policy.switch_cost) if affinity else switch_cost([], q.policy.switch_cost)
+                head["affinity"] = {"switchCost": cost,
                                     "returns": affinity.returns if affinity else 0,
                                     "kept": round(sum(kept) / len(kept), 3) if kept else None}
             if now is not None:
@@ -1799,15 +1820,17 @@ class Scheduler:
         cost: Optional[str] = None
         probe = False  # while the cost is unknown: no hand-over since the last one waits for a return
         first = True  # nobody came back yet: the first probe waits for the holder's share
+        awaited: Optional[str] = None  # the one that gave way last, its return come or not
         prober: Optional[str] = None  # the session that gave way last, while its return is awaited
         while q.waiting and q.parked:
             nxt = self._pick(q, now)
             to_parent = nxt is not None and nxt.role == PARENT  # a handback holder yields to it
             if cost is None and any(h.handback for h in q.parked):
                 affinity = self._affinity.get(q.key)
-                cost = switch_cost(affinity.kept if affinity else (), q.policy.switch_cost)
+                cost = affinity.cost(q.policy.switch_cost) if affinity else switch_cost((), q.policy.switch_cost)
                 probe, prober = self._probe(q, affinity, now)
                 first = affinity is None or not affinity.kept
+                awaited = affinity.prober if affinity is not None else None  # answered or not
 
             def gives_way(h: Holder) -> bool:
                 if h.parked:
@@ -1830,12 +1853,14 @@ class Scheduler:
                 q.handback_yields += 1
                 if holder.role == CHILD and to_parent:
                     q.may_resume(holder.session)  # next after the parent, ahead of the other children
-                elif cost == "unknown" and nxt is not None and nxt.session != prober:
-                    # a probe: the holder queues again ahead of its tier, and its return will tell
+                elif cost == "unknown" and nxt is not None and nxt.session != awaited:
+                    # a probe (not the slot given back to the last one): one at a time
                     record = self._affinity_of(q.key)
                     record.probed, record.probed_at, record.prober = record.returns, now, holder.session
                     probe, prober = False, holder.session
-                    q.may_resume(holder.session)
+                    awaited = holder.session
+                    if holder.session in record.prompts:  # its return can tell: it queues again first
+                        q.may_resume(holder.session)
             self._drop_lease(holder, Released(q.key, holder, "parked" if holder.parked else "handback"),
                              events, now)
             self._fill(q, now, events)
@@ -1844,13 +1869,15 @@ class Scheduler:
     def _probe(q: _Queue, affinity: Optional[_Affinity], now: float) -> tuple[bool, Optional[str]]:
         """While a queue's switch cost is unknown: whether a holder may give way to find it out
         (a probe), and the session that gave way last if its return is still awaited.  A probe
-        waits for that return: ``PROBE_AGAIN_MS`` at most, and the grace at most when the one
-        that gave way has not queued again (it went on to other work, or ended)."""
+        waits for that return: ``PROBE_AGAIN_MS`` at most, and while the one that gave way has not
+        queued again (it went on to other work, or its run ended: the proxy cannot tell a run's
+        last response from a tool call) the grace at most, and not at all once a session came
+        back to a kept context (so far the answer looks cheap)."""
         if affinity is None or affinity.returns > affinity.probed:
             return True, None
         since = now - affinity.probed_at
         back = affinity.prober is not None and affinity.prober in q.waiting
-        if since >= PROBE_AGAIN_MS or not back and since >= GRACE_MS:
+        if since >= PROBE_AGAIN_MS or not back and (since >= GRACE_MS or affinity.kept):
             return True, None
         return False, affinity.prober
 
@@ -1922,7 +1949,7 @@ class Request(NamedTuple):
     group: Optional[str] = None
     activity: bool = False
     parked: bool = False  # additive, on a keyed renew: the holder waits on another agent
-    resume: bool = False  # additive, on acquire: a child handing back to a parent queues again first
+    resume: bool = False  # additive, on acquire: queue ahead of the tier, where earned (Scheduler.acquire)
     prefilled: Optional[int] = None  # additive, the usage op: prompt tokens the server computed
     reused: Optional[int] = None  # ... and those it served from its cache
     busy: Optional[bool] = None  # additive, on a keyed renew: whether a request is in flight
@@ -3605,11 +3632,26 @@ class Client:
         """Run ``park`` (a session's gap park, void once the gap is over) as soon as a usage reply
         says that switches of ``queue_key``'s slot are cheap."""
         with self._cv:
+            if self._switch_costs.get(queue_key) == "cheap":  # the reply came meanwhile
+                self.call_later(0.0, park)
+                return
             parks = self._when_cheap.pop(queue_key, None) or {}
+            parks.pop(session_key, None)
             parks[session_key] = park  # its latest gap's
+            while len(parks) > 256:
+                del parks[next(iter(parks))]
             self._when_cheap[queue_key] = parks
             while len(self._when_cheap) > 1024:
                 self._when_cheap.popitem(last=False)
+
+    def _gap_over(self, queue_key: str, session_key: str) -> None:
+        """The session's gap ended: its park is void, and is forgotten."""
+        with self._cv:
+            parks = self._when_cheap.get(queue_key)
+            if parks is not None:
+                parks.pop(session_key, None)
+                if not parks:
+                    del self._when_cheap[queue_key]
 
     def switch_cost(self, queue_key: str) -> str:
         """What a switch of ``queue_key``'s slot costs, as the daemon last answered a usage report
@@ -3874,7 +3916,8 @@ class Session:
             if lease is None or lease.released or self._cancel_grace is not None:
                 return
             turn = self._turn
-            self._gap_turn += 1
+            self._gap_turn += 1  # the last gap's park is void: the settled run's rule decides
+            self.client._gap_over(self.queue_key, self.session_key)
             self._request_end = None
             never = park_after is None and not self.yield_on_settle
             at_once = park_after is None and self.role == "child" or park_after is not None and park_after <= 0
@@ -3951,6 +3994,7 @@ class Session:
                 self._request_end = None
             if self._cancel_grace is None:
                 self._unpark()  # the gap is over (a slot handed over meanwhile shows as lost)
+        self.client._gap_over(self.queue_key, self.session_key)
         lease = self.lease
         if lease is None or lease.released:
             lease = self.start(timeout)
@@ -5280,7 +5324,7 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 q["usage"].append((t, session, prefilled, reused, e.get("seq")))
             kept = e.get("kept")
             if isinstance(kept, (int, float)) and not isinstance(kept, bool) and 0 <= kept <= 1:
-                q["kept"].append((t, float(kept)))
+                q["kept"].append((t, float(kept), session))
             continue
         if kind == "release" or kind == "evict":
             reason = e.get("reason") or kind
@@ -5371,10 +5415,10 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
         switches = count([t for t, _ in q["switches"]])
         tokens = _token_figures([u for u in q["usage"] if inside(u[0])], q["switch_seqs"])
         if tokens is not None:
-            kept = [k for t, k in q["kept"] if inside(t)]
+            kept = [k for t, k, _ in q["kept"] if inside(t)]
             tokens["returns"] = {"requests": len(kept),
                                  "meanKept": round(sum(kept) / len(kept), 3) if kept else None,
-                                 "switchCost": switch_cost(kept)}
+                                 "switchCost": switch_cost(kept, "auto", [s for t, _, s in q["kept"] if inside(t)])}
         dead_session: dict[str, float] = {}
         for t, session, ms in q["dead"]:
             if inside(t):

@@ -75,6 +75,32 @@ def test_a_return_after_another_sessions_report_is_sampled_and_a_report_in_a_row
     assert s.usage("http://127.0.0.1:8002/v1", "C", 10, 0).switch_cost == "unknown"
 
 
+def test_cheap_takes_two_sessions_back_to_their_contexts_one_coming_back_twice_is_not_enough() -> None:
+    # One session that keeps coming back after a single other shows only that the server keeps
+    # two contexts: a third agent in the rotation may still be evicted.
+    assert lq.switch_cost([1.0, 1.0], "auto", ["A", "A"]) == "unknown"
+    assert lq.switch_cost([1.0, 1.0], "auto", ["A", "B"]) == "cheap"
+    assert lq.switch_cost([1.0, 0.0], "auto", ["A", "A"]) == "dear"  # an eviction is enough
+    s = lq.Scheduler()
+    s.usage(K, "A", 1000, 0)
+    s.usage(K, "B", 1000, 0)
+    assert s.usage(K, "A", 10, 1000).kept == 1.0  # A back after B
+    s.usage(K, "C", 1000, 0)
+    back = s.usage(K, "A", 10, 1010)  # A back after C: two returns, one session
+    assert back.kept == 1.0 and back.switch_cost == "unknown"
+    assert s.affinity_kept() == {K: [1.0]}  # a later daemon does not know yet either
+    assert s.usage(K, "B", 10, 1000).switch_cost == "cheap"  # B back too
+    assert s.affinity_kept() == {K: [1.0, 1.0, 1.0]}
+    log = os.path.join(short_tmpdir(), "events.log")  # the report reads the same rule off a log
+    with open(log, "w") as f:
+        for i, who in enumerate("AAB"):
+            f.write(json.dumps({"event": "usage", "queueKey": K, "sessionKey": who, "prefilled": 10,
+                                "reused": 1000, "kept": 1.0, "ts": f"2026-12-01T00:00:0{i}.000Z"}) + "\n")
+    events = lq.read_event_log([log])
+    assert lq.build_report(events[:2])["queues"][K]["tokens"]["returns"]["switchCost"] == "unknown"
+    assert lq.build_report(events)["queues"][K]["tokens"]["returns"]["switchCost"] == "cheap"
+
+
 def test_a_queues_setting_wins_over_what_it_learned() -> None:
     config, errors, _ = lq.validate_config({"queues": {K: {"switchCost": "dear"}}})
     assert errors == []

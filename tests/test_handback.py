@@ -7,12 +7,13 @@ now, or the first to come while the gap lasts.  A child holder always gives way;
 where switches are cheap, or, where the queue does not know yet, once it has held the slot
 ``PARENT_SHARE_MS`` since its grant (a short run is never split while a switch might cost a
 re-prefill), and never where they are dear.  To a child, a slot goes in a gap only while the
-cost is unknown, to find it out: a child holder gives way after its share, one such hand-over at
-a time.  The one that gave way (a parent or a child) queues again ahead of its tier (``resume``)
-and any holder gives it the slot back at once at its next gap, so its return shows what the
-server kept (otherwise the holder's own window, ended by a park, decides).  ``resume`` is
-honoured only where it was earned so, or by a child that gave its slot to a parent: two sessions
-never take turns ahead of a third.  The yield is logged as a
+cost is unknown, to find it out: a child holder gives way after its share (no share once a
+session came back to a kept context), one such hand-over at a time.  The one that gave way (a
+parent or a child, if it reported usage, so that its return can tell) queues again ahead of its
+tier (``resume``), and the next holder's gap gives it the slot back at once, so its return shows
+what the server kept (otherwise the holder's own window, ended by a park, decides).  ``resume``
+is honoured only for that one and for a child that gave its slot to a parent, and only on the
+session's next acquire: two sessions never take turns ahead of a third.  The yield is logged as a
 ``release`` with reason ``handback`` and counted as ``handbackYields`` in ``status``; the reply
 echoes ``busy``; an activity beat without the field ends the gap; a parked holder stays parked;
 a bad value is an error reply that changes nothing.  In the pure scheduler: a child due by aging
@@ -119,6 +120,7 @@ def test_the_parent_that_gave_way_to_find_out_is_given_the_slot_back_at_the_next
         b.send(acquire("B"))
         c.send(acquire("C"))
         wait_for(lambda: d.waiting(K) == ["B", "C"])
+        a.ask({"op": "usage", "queueKey": K, "sessionKey": "A", "prefilled": 1000, "reused": 0})
         time.sleep(lq.PARENT_SHARE_MS / 1000)
         a.send(gap("A"))  # past its share: B's turn, to find out what a switch costs
         assert b.recv(SOON)["op"] == "granted"
@@ -307,6 +309,22 @@ def test_core_a_probe_that_does_not_queue_again_holds_up_the_next_one_only_for_t
     assert not held and granted(events) == ["C"]
 
 
+def test_core_once_a_context_was_found_kept_a_probe_that_did_not_queue_again_holds_up_no_other() -> None:
+    # Through the proxy a run's last response looks like a tool call's: the one that gave way may
+    # have ended.  While nothing says switches are dear, the next holder's gap probes on.
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    s.usage(K, "X", 1000, 0)
+    s.usage(K, "Y", 1000, 0)
+    s.usage(K, "X", 10, 1000)  # one return, its context kept
+    for name in "ABC":
+        s.acquire(name.lower(), K, name, "child", now=T0)
+    s.usage(K, "A", 1000, 0)
+    held, events = s.handback(K, "A", now=T0 + 1)  # no share needed: a context was found kept
+    assert not held and granted(events) == ["B"]
+    held, events = s.handback(K, "B", now=T0 + 500)  # A did not queue again
+    assert not held and granted(events) == ["C"]
+
+
 def test_core_while_the_cost_is_unknown_a_child_gives_way_to_a_child_after_its_share_and_gets_it_back() -> None:
     # Subagents that never come back mid-run never teach the queue what a switch costs: one of
     # them gives way once it has held the slot for its share, and the next gives it back at its
@@ -342,9 +360,9 @@ def test_core_resume_is_honoured_only_where_it_was_earned() -> None:
     s = sched(agingAfterMs=0, agingAfterSlots=0, switchCost="cheap")
     s.acquire("c", K, "C", "child", now=T0)
     s.acquire("a", K, "A", "child", now=T0)
-    assert granted(s.release(K, "C", now=T0 + 1)) == ["A"]
-    s.acquire("c", K, "C", "child", now=T0 + 2, resume=True)  # it gave its slot to a child: no priority
-    s.acquire("b", K, "B", "child", now=T0 + 3)
+    s.acquire("b", K, "B", "child", now=T0 + 1)
+    assert granted(s.release(K, "C", now=T0 + 2)) == ["A"]
+    s.acquire("c", K, "C", "child", now=T0 + 3, resume=True)  # it gave its slot to a child: behind B
     s.acquire("p", K, "P", "parent", now=T0 + 4)
     held, events = s.handback(K, "A", now=T0 + 5)  # A's gap: its slot goes to the parent
     assert not held and granted(events) == ["P"]
@@ -354,8 +372,73 @@ def test_core_resume_is_honoured_only_where_it_was_earned() -> None:
     assert granted(s.release(K, "A", now=T0 + 9)) == ["X"]  # a hand-back at a request boundary
     s.acquire("a", K, "A", "child", now=T0 + 10, resume=True)  # next after the parent again
     assert granted(s.release(K, "X", now=T0 + 11)) == ["A"]
-    assert granted(s.release(K, "A", now=T0 + 12)) == ["C"]  # C, then B: in the order they queued
-    assert granted(s.release(K, "C", now=T0 + 13)) == ["B"]
+    assert granted(s.release(K, "A", now=T0 + 12)) == ["B"]  # B, then C: in the order they queued
+    assert granted(s.release(K, "B", now=T0 + 13)) == ["C"]
+
+
+def test_core_an_earned_place_is_for_the_next_acquire_only() -> None:
+    s = sched(agingAfterMs=0, agingAfterSlots=0, switchCost="dear")
+    s.acquire("a", K, "A", "child", now=T0)
+    s.acquire("p", K, "P", "parent", now=T0)
+    assert granted(s.release(K, "A", now=T0 + 1)) == ["P"]  # A gave its slot to a parent: earned
+    s.release(K, "P", now=T0 + 2)
+    s.acquire("a", K, "A", "child", now=T0 + 3)  # into a free slot: the earned place is used up
+    s.acquire("b", K, "B", "child", now=T0 + 4)
+    assert granted(s.release(K, "A", now=T0 + 5)) == ["B"]  # to a child: nothing earned
+    s.acquire("c", K, "C", "child", now=T0 + 6)
+    s.acquire("a", K, "A", "child", now=T0 + 7, resume=True)
+    assert granted(s.release(K, "B", now=T0 + 8)) == ["C"]
+
+
+def test_core_a_cancel_or_a_slot_that_goes_to_an_aged_child_earns_no_place() -> None:
+    s = sched(agingAfterMs=0, agingAfterSlots=0, switchCost="dear")
+    s.acquire("a", K, "A", "child", now=T0)
+    s.acquire("b", K, "B", "child", now=T0)
+    s.acquire("p", K, "P", "parent", now=T0)
+    assert granted(s.cancel(K, "A", now=T0 + 1)) == ["P"]  # Esc, while a parent waits
+    s.acquire("a", K, "A", "child", now=T0 + 2, resume=True)
+    assert granted(s.release(K, "P", now=T0 + 3)) == ["B"]
+    s = sched(agingAfterMs=500, agingAfterSlots=0, switchCost="dear")
+    s.acquire("a", K, "A", "child", now=T0)
+    s.acquire("c", K, "C", "child", now=T0)
+    s.acquire("e", K, "E", "child", now=T0 + 900)
+    s.acquire("p", K, "P", "parent", now=T0 + 1000)
+    assert granted(s.release(K, "A", now=T0 + 1000)) == ["C"]  # C waited past its aging: not to the parent
+    s.acquire("a", K, "A", "child", now=T0 + 1001, resume=True)
+    assert granted(s.release(K, "C", now=T0 + 1002)) == ["P"]
+    assert granted(s.release(K, "P", now=T0 + 1003)) == ["E"]  # E queued before A came back
+
+
+def test_core_the_slot_given_back_to_the_one_that_gave_way_earns_the_giver_nothing() -> None:
+    # B worked here before, so its first request on the slot is a return that answers A's probe;
+    # B's gap then gives the slot back to A, which is no probe of B's own.
+    share = lq.PARENT_SHARE_MS
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    s.usage(K, "B", 1000, 0)
+    s.acquire("a", K, "A", "child", now=T0)
+    s.usage(K, "A", 1000, 0)
+    s.acquire("b", K, "B", "child", now=T0)
+    s.acquire("c", K, "C", "child", now=T0)
+    held, events = s.handback(K, "A", now=T0 + share)
+    assert granted(events) == ["B"]
+    s.acquire("a", K, "A", "child", now=T0 + share + 100, resume=True)
+    s.usage(K, "B", 10, 1000)  # B's return
+    held, events = s.handback(K, "B", now=T0 + share + 200)
+    assert not held and granted(events) == ["A"]  # A back, ahead of C
+    s.acquire("b", K, "B", "child", now=T0 + share + 300, resume=True)  # behind C
+    assert granted(s.release(K, "A", now=T0 + share + 400)) == ["C"]
+
+
+def test_core_a_session_whose_return_cannot_tell_earns_no_place_by_giving_way() -> None:
+    # It never reported usage: its return would show nothing, so it queues again as anyone does.
+    share = lq.PARENT_SHARE_MS
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    for name in "ABC":
+        s.acquire(name.lower(), K, name, "parent", now=T0)
+    held, events = s.handback(K, "A", now=T0 + share)
+    assert granted(events) == ["B"]
+    s.acquire("a", K, "A", "parent", now=T0 + share + 100, resume=True)
+    assert granted(s.release(K, "B", now=T0 + share + 200)) == ["C"]
 
 
 def test_core_a_parent_that_gave_way_to_find_out_comes_back_at_once_ahead_of_the_other_parents() -> None:
