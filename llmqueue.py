@@ -3909,7 +3909,8 @@ class Session:
     def settle(self, park_after: Optional[float] = None) -> None:
         """The run settled: release after the grace, unless the next run starts first.
         ``park_after`` (seconds, at most the grace): keep the slot that long whoever waits, then
-        park for the rest of the grace; None: the session's own rule (a subagent parks at once,
+        park for the rest of the grace (at once, should a usage reply say meanwhile that switches
+        are cheap: a waiter going first costs it no prefill); None: the session's own rule (a subagent parks at once,
         a parent after ``PARENT_HANDBACK_MS``, and with ``yield_on_settle`` off it never parks)."""
         with self._lock:
             lease = self.lease
@@ -3956,6 +3957,8 @@ class Session:
 
             if park_after is None:
                 park_after = PARENT_HANDBACK_MS / 1000.0
+            elif park_after > 0:  # the proxy's window: none at all where switches are cheap
+                self.client._park_when_cheap(self.queue_key, self.session_key, park)
             if park_after < self.grace_ms / 1000.0:
                 self.client.call_later(park_after, park)
 

@@ -248,6 +248,25 @@ def test_the_proxy_hands_over_after_a_tool_call_where_switches_are_cheap_but_a_n
                 proxy.shutdown()
 
 
+def test_a_proxy_session_holding_after_a_response_hands_over_once_the_queue_learns_switches_are_cheap() -> None:
+    for d in started():
+        with client_of(d) as client:
+            proxy = lq.Proxy("http://127.0.0.1:9", client=client, listen=("127.0.0.1", 0), grace_ms=4000)
+            threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True).start()
+            try:
+                proxy.begin("sub", "child")
+                w = d.peer()
+                w.send({"op": "acquire", "queueKey": proxy.queue_key, "sessionKey": "W", "role": "child"})
+                wait_for(lambda: d.waiting(proxy.queue_key) == ["W"])
+                proxy.end("sub", ok=True, ending="tool")  # a tool call: held through the grace, cost unknown
+                assert w.silent(0.3)
+                teach(client, kept=True, key=proxy.queue_key)
+                told = time.monotonic()
+                assert w.recv(SOON)["op"] == "granted" and time.monotonic() - told < SOON
+            finally:
+                proxy.shutdown()
+
+
 # -- what it buys, in the KV-cache simulator ---------------------------------------------------------
 
 
