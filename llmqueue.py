@@ -3598,26 +3598,47 @@ class Client:
     def _beat(self, lease: Lease, timeout: float) -> bool:
         if not lease.held:
             return False
-        key = (lease.queue_key, lease.session_key)
-        pending = _Pending()
         with self._cv:
             if self._sock is None:
                 lease.lost = True
                 return False
-            self._beats.setdefault(key, []).append(pending)
-            generation = self._generation
-            for user in self._leases.get(self._owner(*key), ()):
+            for user in self._leases.get(self._owner(lease.queue_key, lease.session_key), ()):
                 user._parked = False  # an activity beat un-parks the slot: a later pause parks it again
+        message: dict[str, Any] = {"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key}
+        if lease._handback:
+            message["handback"] = True  # still between two requests: the beat keeps the gap
         try:
-            message: dict[str, Any] = {"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key}
-            if lease._handback:
-                message["handback"] = True  # still between two requests: the beat keeps the gap
-            self._send(message, connect=False, generation=generation)
+            pending = self._send_beat(lease, message)
         except DaemonUnavailable:
             return False
         if not pending.event.wait(timeout) or pending.reply is None:
             return lease.held
         return pending.reply.get("granted") is True
+
+    def _send_beat(self, lease: Lease, message: dict[str, Any]) -> _Pending:
+        """Send a keyed renew whose reply (no ``busy`` in it) answers a beat, and return its
+        place in the order of those replies.  The daemon answers in the order the renews went
+        out, so each one takes its place as it is sent, the background beats' too: otherwise a
+        late reply to an earlier renew (a park mark's \"still held\") would answer a later beat."""
+        key = (lease.queue_key, lease.session_key)
+        pending = _Pending()
+        with self._send_lock:
+            with self._cv:
+                sock = self._sock
+                if sock is None:
+                    raise DaemonUnavailable("not connected")
+                generation = self._generation
+                self._beats.setdefault(key, []).append(pending)
+            try:
+                sock.sendall(_line(message))
+            except OSError as e:
+                failed: Optional[OSError] = e
+            else:
+                failed = None
+        if failed is not None:
+            self._connection_lost(sock, generation)  # every place taken on it is let go
+            raise DaemonUnavailable(f"the daemon went away: {failed.strerror or failed}")
+        return pending
 
     def usage(self, queue_key: str, session_key: str, prefilled: int, reused: int = 0) -> None:
         """Report one request's prompt tokens as the model server counted them: ``prefilled``
@@ -3815,7 +3836,14 @@ class Client:
         message: dict[str, Any] = {"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key}
         if parked:
             message["parked"] = True  # additive: an older daemon ignores it (and idle-yields later)
-        return lambda: self._quietly(message)
+
+        def send() -> None:
+            try:
+                self._send_beat(lease, message)  # its reply answers nobody, in its turn
+            except DaemonUnavailable:
+                pass
+
+        return send
 
     def _hand_back(self, lease: Lease) -> None:
         """The lease's request ended and its run goes on: tell the daemon (a keyed ``renew`` with

@@ -267,6 +267,51 @@ def test_a_lost_lease_requeues_before_it_streams() -> None:
             assert done and lease.held and d.holders(K) == ["A"]
 
 
+def test_a_beat_is_answered_by_its_own_reply_not_by_an_earlier_renews(
+        fake_factory: Callable[..., FakeDaemon]) -> None:
+    """Replies to keyed renews come in the order the renews went out.  The park mark's reply
+    (still held, when it was sent) arrives late, after the slot went to a waiter and the next
+    request's beat asked again: that beat must get its own answer (lost) and queue again, not
+    the park's stale ``granted: true``, or the request streams on a slot it no longer holds."""
+    held = {"A": True}
+    deferred: list[dict[str, Any]] = []
+    state: dict[str, Any] = {"park": None, "timer": None}
+
+    def flush(send: Callable[[dict[str, Any]], None]) -> None:
+        send(state["park"])
+        for m in deferred:
+            send(m)
+        deferred.clear()
+        state["park"] = False  # answered: later renews are answered at once
+
+    def reply(msg: dict[str, Any], send: Callable[[dict[str, Any]], None]) -> None:
+        if msg["op"] == "acquire":
+            held["A"] = True
+            send({"op": "granted", "queueKey": K, "sessionKey": "A", "leaseTtlMs": 30000, "idleYieldMs": 30000})
+        elif msg["op"] == "renew" and "queueKey" in msg:
+            answer = {"op": "ok", "queueKey": K, "sessionKey": "A", "granted": held["A"]}
+            if msg.get("parked") and state["park"] is None:
+                state["park"] = answer  # the park's reply is slow to come
+                held["A"] = False  # and meanwhile a waiter took the parked slot
+            elif state["park"]:
+                deferred.append(answer)
+                if state["timer"] is None:  # every beat sent at the unpark is in before the park's reply
+                    state["timer"] = threading.Timer(0.3, flush, (send,))
+                    state["timer"].start()
+            else:
+                send(answer)
+        elif msg["op"] == "renew":
+            send({"op": "ok"})
+    fake = fake_factory(reply)
+    with lq.Client(fake.dir, autostart=False) as c:
+        lease = c.acquire(K, "A")
+        with lease.blocking():
+            wait_for(lambda: any(m.get("parked") for _, m in fake.ops("renew")))
+        lease.ensure(timeout=5)
+        assert len(fake.ops("acquire")) == 2  # it learned the slot was gone, and queued again
+        assert lease.held
+
+
 # -- sessions: turn-based affinity --------------------------------------------------------------------
 
 
