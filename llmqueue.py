@@ -126,7 +126,10 @@ PARENT_HANDBACK_MS = 250
 # back at the next gap, whoever holds it, so its return shows what the server kept.
 PARENT_SHARE_MS = 2000
 # One probe at a time: the next waits until a session has come back (and said what it found
-# kept), or this long, since the one that gave way may not come back.
+# kept), or this long, since the one that gave way may not come back.  One that has not queued
+# again is waited for only as long as the queue's tool calls take (its holders' recent gaps, as
+# a session's own tool-gap window reckons them), within the grace: by then it went on to other
+# work, or its run had ended (the proxy cannot tell a run's last response from a tool call).
 PROBE_AGAIN_MS = 10_000
 
 ROLES = ("parent", "child")  # wire names of the tiers, in grant order
@@ -1022,6 +1025,7 @@ class _Queue:
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
         "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents", "resumers",
+        "gaps",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -1053,6 +1057,8 @@ class _Queue:
         # gave its slot to a parent (its context is the warmest), and the holder that gave way in
         # a probe (its return tells what a switch costs); the last 1024 of them
         self.resumers: OrderedDict[str, None] = OrderedDict()
+        # its holders' last handback gaps (ms), each to the holder's next request: its tool calls
+        self.gaps: deque[float] = deque(maxlen=8)
 
     def held(self) -> int:
         return len(self.holders) + len(self.extra)
@@ -1691,6 +1697,8 @@ class Scheduler:
             holder.last_activity = now
             q = holder.queue
             if holder.parked or holder.handback:  # work resumed
+                if holder.handback and holder.idle_since is not None and now - holder.idle_since <= GRACE_MS:
+                    q.gaps.append(now - holder.idle_since)  # a tool call's length (a longer one was none)
                 holder.parked = holder.handback = False
                 q.parked.pop(holder, None)
                 self._busy(holder, now)
@@ -1871,13 +1879,15 @@ class Scheduler:
         (a probe), and the session that gave way last if its return is still awaited.  A probe
         waits for that return: ``PROBE_AGAIN_MS`` at most, and while the one that gave way has not
         queued again (it went on to other work, or its run ended: the proxy cannot tell a run's
-        last response from a tool call) the grace at most, and not at all once a session came
-        back to a kept context (so far the answer looks cheap)."""
+        last response from a tool call) as long as the queue's tool calls take (``q.gaps``, the
+        grace while none is known), and not at all once a session came back to a kept context
+        (so far the answer looks cheap)."""
         if affinity is None or affinity.returns > affinity.probed:
             return True, None
         since = now - affinity.probed_at
         back = affinity.prober is not None and affinity.prober in q.waiting
-        if since >= PROBE_AGAIN_MS or not back and (since >= GRACE_MS or affinity.kept):
+        absent = 1000.0 * tool_gap_window([g / 1000.0 for g in q.gaps], GRACE_MS / 1000.0)
+        if since >= PROBE_AGAIN_MS or not back and (since >= absent or affinity.kept):
             return True, None
         return False, affinity.prober
 

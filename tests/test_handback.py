@@ -309,6 +309,48 @@ def test_core_a_probe_that_does_not_queue_again_holds_up_the_next_one_only_for_t
     assert not held and granted(events) == ["C"]
 
 
+def test_core_a_probe_that_does_not_queue_again_holds_up_the_next_one_as_long_as_the_queues_gaps_last() -> None:
+    # The queue sees how long its holders' tool calls take (a handback gap, to the next request):
+    # the one that gave way would be back by then.  Half-second gaps: 1.5x the longest plus
+    # 0.2 s, like a session's own tool-gap window, and no longer the whole grace.
+    share, grace = lq.PARENT_SHARE_MS, lq.GRACE_MS
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    for name in "ABC":
+        s.acquire(name.lower(), K, name, "parent", now=T0)
+    held, events = s.handback(K, "A", now=T0 + share)
+    assert granted(events) == ["B"]  # A gives way, and never queues again
+    t = T0 + share
+    for _ in range(3):  # B's tool calls, half a second each, while A does not come back
+        held, events = s.handback(K, "B", now=t + 100)
+        assert held and events == []
+        s.beat(K, "B", now=t + 600, busy=True)
+        t += 600
+    window = 1.5 * 500 + 200
+    assert t - (T0 + share) > window and share < grace  # past A's return, inside the grace
+    s.beat(K, "B", now=T0 + 2 * share, busy=True)
+    held, events = s.handback(K, "B", now=T0 + 2 * share)  # B's share is over: it probes on
+    assert not held and granted(events) == ["C"]
+
+
+def test_core_a_long_gap_of_the_queue_lets_an_absent_prober_hold_up_the_next_probe_for_the_grace() -> None:
+    # The window is the queue's longest recent gap's (a slow tool call): within the grace.
+    share, grace = lq.PARENT_SHARE_MS, lq.GRACE_MS
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    for name in "ABC":
+        s.acquire(name.lower(), K, name, "parent", now=T0)
+    s.handback(K, "A", now=T0 + 100)
+    s.beat(K, "A", now=T0 + 100 + grace, busy=True)  # a 3 s tool call: the window is the grace
+    held, events = s.handback(K, "A", now=T0 + share + grace)
+    assert granted(events) == ["B"]
+    start = T0 + share + grace
+    s.beat(K, "B", now=start + grace - 1, busy=True)
+    held, events = s.handback(K, "B", now=start + grace - 1)
+    assert held and events == []
+    s.beat(K, "B", now=start + grace, busy=True)
+    held, events = s.handback(K, "B", now=start + grace)
+    assert not held and granted(events) == ["C"]
+
+
 def test_core_once_a_context_was_found_kept_a_probe_that_did_not_queue_again_holds_up_no_other() -> None:
     # Through the proxy a run's last response looks like a tool call's: the one that gave way may
     # have ended.  While nothing says switches are dear, the next holder's gap probes on.
