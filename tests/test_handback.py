@@ -275,15 +275,21 @@ def test_core_while_the_cost_is_unknown_a_parent_gives_way_to_a_parent_once_per_
     assert not held and granted(events) == ["C"]  # a return came since: the next probe
 
 
+def probed() -> lq.Scheduler:
+    """Parents A, B and C, the cost unknown: A gave way to B once it held the slot its share."""
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    for name in "ABC":
+        s.acquire(name.lower(), K, name, "parent", now=T0)
+    held, events = s.handback(K, "A", now=T0 + lq.PARENT_SHARE_MS)
+    assert not held and granted(events) == ["B"]
+    return s
+
+
 def test_core_a_probe_that_never_comes_back_holds_up_the_next_one_only_for_probe_again_ms() -> None:
     # The one that gave way queued again (after its tool call) but is not back on the slot yet:
     # the next probe waits PROBE_AGAIN_MS at most.
     share, again = lq.PARENT_SHARE_MS, lq.PROBE_AGAIN_MS
-    s = sched(agingAfterMs=0, agingAfterSlots=0)
-    for name in "ABC":
-        s.acquire(name.lower(), K, name, "parent", now=T0)
-    held, events = s.handback(K, "A", now=T0 + share)
-    assert granted(events) == ["B"]
+    s = probed()
     s.acquire("a", K, "A", "parent", now=T0 + share + 500)  # behind C
     held, events = s.handback(K, "B", now=T0 + share + again - 1)
     assert held and events == []
@@ -292,15 +298,12 @@ def test_core_a_probe_that_never_comes_back_holds_up_the_next_one_only_for_probe
     assert not held and granted(events) == ["C"]
 
 
-def test_core_a_probe_that_does_not_queue_again_holds_up_the_next_one_only_for_the_grace() -> None:
+def test_core_a_probe_that_does_not_queue_again_holds_up_the_next_one_for_the_grace_while_no_gap_is_known() -> None:
     # A's last response of its run looked like a tool call's: it never queues again, so its
-    # return will not come, and the next probe waits the grace at most.
+    # return will not come, and the next probe waits the grace at most (B's first gap: the queue
+    # has not seen how long its tool calls take).
     share, grace = lq.PARENT_SHARE_MS, lq.GRACE_MS
-    s = sched(agingAfterMs=0, agingAfterSlots=0)
-    for name in "ABC":
-        s.acquire(name.lower(), K, name, "parent", now=T0)
-    held, events = s.handback(K, "A", now=T0 + share)
-    assert granted(events) == ["B"]
+    s = probed()
     assert grace > share  # B is past its share by then
     held, events = s.handback(K, "B", now=T0 + share + grace - 1)
     assert held and events == []
@@ -314,11 +317,7 @@ def test_core_a_probe_that_does_not_queue_again_holds_up_the_next_one_as_long_as
     # the one that gave way would be back by then.  Half-second gaps: 1.5x the longest plus
     # 0.2 s, like a session's own tool-gap window, and no longer the whole grace.
     share, grace = lq.PARENT_SHARE_MS, lq.GRACE_MS
-    s = sched(agingAfterMs=0, agingAfterSlots=0)
-    for name in "ABC":
-        s.acquire(name.lower(), K, name, "parent", now=T0)
-    held, events = s.handback(K, "A", now=T0 + share)
-    assert granted(events) == ["B"]  # A gives way, and never queues again
+    s = probed()  # A gave way, and never queues again
     t = T0 + share
     for _ in range(3):  # B's tool calls, half a second each, while A does not come back
         held, events = s.handback(K, "B", now=t + 100)
@@ -474,11 +473,7 @@ def test_core_the_slot_given_back_to_the_one_that_gave_way_earns_the_giver_nothi
 def test_core_a_session_whose_return_cannot_tell_earns_no_place_by_giving_way() -> None:
     # It never reported usage: its return would show nothing, so it queues again as anyone does.
     share = lq.PARENT_SHARE_MS
-    s = sched(agingAfterMs=0, agingAfterSlots=0)
-    for name in "ABC":
-        s.acquire(name.lower(), K, name, "parent", now=T0)
-    held, events = s.handback(K, "A", now=T0 + share)
-    assert granted(events) == ["B"]
+    s = probed()
     s.acquire("a", K, "A", "parent", now=T0 + share + 100, resume=True)
     assert granted(s.release(K, "B", now=T0 + share + 200)) == ["C"]
 
