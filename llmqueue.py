@@ -1057,7 +1057,8 @@ class _Queue:
         # gave its slot to a parent (its context is the warmest), and the holder that gave way in
         # a probe (its return tells what a switch costs); the last 1024 of them
         self.resumers: OrderedDict[str, None] = OrderedDict()
-        # its holders' last handback gaps (ms), each to the holder's next request: its tool calls
+        # its holders' last gaps (ms), each from the end of a request (a handback gap, or a park) to
+        # the holder's next one: how long its tool calls take
         self.gaps: deque[float] = deque(maxlen=8)
 
     def held(self) -> int:
@@ -1697,8 +1698,9 @@ class Scheduler:
             holder.last_activity = now
             q = holder.queue
             if holder.parked or holder.handback:  # work resumed
-                if holder.handback and holder.idle_since is not None and now - holder.idle_since <= GRACE_MS:
-                    q.gaps.append(now - holder.idle_since)  # a tool call's length (a longer one was none)
+                # a tool call's length, a gap's that ended in a park too (a longer one was none)
+                if holder.idle_since is not None and now - holder.idle_since <= GRACE_MS:
+                    q.gaps.append(now - holder.idle_since)
                 holder.parked = holder.handback = False
                 q.parked.pop(holder, None)
                 self._busy(holder, now)

@@ -279,6 +279,7 @@ def test_a_beat_is_answered_by_its_own_reply_not_by_an_earlier_renews(
 
     def flush(send: Callable[[dict[str, Any]], None]) -> None:
         send(state["park"])
+        time.sleep(0.3)  # the stale reply alone, for a while: no later one marks the lease lost meanwhile
         for m in deferred:
             send(m)
         deferred.clear()

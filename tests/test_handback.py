@@ -314,20 +314,49 @@ def test_core_a_probe_that_does_not_queue_again_holds_up_the_next_one_for_the_gr
 
 def test_core_a_probe_that_does_not_queue_again_holds_up_the_next_one_as_long_as_the_queues_gaps_last() -> None:
     # The queue sees how long its holders' tool calls take (a handback gap, to the next request):
-    # the one that gave way would be back by then.  Half-second gaps: 1.5x the longest plus
-    # 0.2 s, like a session's own tool-gap window, and no longer the whole grace.
+    # the one that gave way would be back by then.  A 1.6 s tool call: 1.5x the longest plus
+    # 0.2 s, like a session's own tool-gap window, which is past B's share and short of the grace.
     share, grace = lq.PARENT_SHARE_MS, lq.GRACE_MS
     s = probed()  # A gave way, and never queues again
-    t = T0 + share
-    for _ in range(3):  # B's tool calls, half a second each, while A does not come back
-        held, events = s.handback(K, "B", now=t + 100)
-        assert held and events == []
-        s.beat(K, "B", now=t + 600, busy=True)
-        t += 600
-    window = 1.5 * 500 + 200
-    assert t - (T0 + share) > window and share < grace  # past A's return, inside the grace
-    s.beat(K, "B", now=T0 + 2 * share, busy=True)
-    held, events = s.handback(K, "B", now=T0 + 2 * share)  # B's share is over: it probes on
+    probed_at = T0 + share
+    window = 1.5 * 1600 + 200
+    assert share < window < grace
+    held, events = s.handback(K, "B", now=probed_at + 100)
+    assert held and events == []
+    s.beat(K, "B", now=probed_at + 1700, busy=True)  # B's tool call took 1.6 s
+    held, events = s.handback(K, "B", now=probed_at + share)  # its share is over, A's return is not
+    assert held and events == []
+    s.beat(K, "B", now=probed_at + window - 1, busy=True)
+    held, events = s.handback(K, "B", now=probed_at + window - 1)
+    assert held and events == []
+    s.beat(K, "B", now=probed_at + window + 1, busy=True)
+    held, events = s.handback(K, "B", now=probed_at + window + 1)  # A would be back by now: it probes on
+    assert not held and granted(events) == ["C"]
+
+
+def test_core_a_tool_call_that_outlasted_its_window_counts_among_the_queues_gaps() -> None:
+    # A lone holder's gap that ended in a park (its window passed, nobody waited, so it kept the
+    # slot) was a tool call all the same: the absent prober is waited for that long too.
+    share, grace = lq.PARENT_SHARE_MS, lq.GRACE_MS
+    s = sched(agingAfterMs=0, agingAfterSlots=0)
+    s.acquire("a", K, "A", "parent", now=T0)
+    for start in (T0 + 100, T0 + 700):  # two half-second tool calls
+        s.handback(K, "A", now=start)
+        s.beat(K, "A", now=start + 500, busy=True)
+    s.handback(K, "A", now=T0 + 1300)
+    held, events = s.park(K, "A", now=T0 + 2250)  # its window (0.95 s) passed: parked
+    assert held and events == []  # nobody waits: it keeps the slot
+    s.beat(K, "A", now=T0 + 3300, busy=True)  # a 2 s tool call, then its next request
+    for name in "BC":
+        s.acquire(name.lower(), K, name, "parent", now=T0 + 3400)
+    held, events = s.handback(K, "A", now=T0 + 3500)  # past its share: it gives way to find out
+    assert not held and granted(events) == ["B"]
+    probed_at = T0 + 3500
+    s.beat(K, "B", now=probed_at + share, busy=True)
+    held, events = s.handback(K, "B", now=probed_at + share)  # inside 1.5 x 2 s + 0.2 s
+    assert held and events == []
+    s.beat(K, "B", now=probed_at + grace, busy=True)
+    held, events = s.handback(K, "B", now=probed_at + grace)  # the window is the grace at most
     assert not held and granted(events) == ["C"]
 
 
