@@ -3289,20 +3289,27 @@ class Client:
         reader.start()
         return sock
 
-    def _send(self, *messages: dict[str, Any], connect: bool = True, generation: Optional[int] = None) -> None:
+    def _send(self, *messages: dict[str, Any], connect: bool = True, generation: Optional[int] = None,
+              then: Optional[Callable[[], None]] = None) -> None:
         """Send requests (in one write); raises DaemonUnavailable when there is no daemon to send it to, or
-        (given ``generation``) when the connection is no longer the one the caller expects."""
-        with self._cv:
-            sock = self._connect() if connect else self._sock
-            if sock is None or (generation is not None and generation != self._generation):
-                raise DaemonUnavailable("not connected")
-            generation = self._generation
-        try:
-            with self._send_lock:
+        (given ``generation``) when the connection is no longer the one the caller expects.  ``then``
+        runs (holding ``_cv``) just before the write, in the order of the writes: what waits for
+        the reply takes its place in the order of the replies."""
+        with self._send_lock:
+            with self._cv:
+                sock = self._connect() if connect else self._sock
+                if sock is None or (generation is not None and generation != self._generation):
+                    raise DaemonUnavailable("not connected")
+                live = self._generation
+                if then is not None:
+                    then()
+            try:
                 sock.sendall(b"".join(_line(m) for m in messages))
-        except OSError as e:
-            self._connection_lost(sock, generation)
-            raise DaemonUnavailable(f"the daemon went away: {e.strerror or e}") from None
+                return
+            except OSError as e:
+                why = e.strerror or str(e)
+        self._connection_lost(sock, live)  # what waits on it is let go
+        raise DaemonUnavailable(f"the daemon went away: {why}")
 
     def _read_loop(self, sock: socket.socket, generation: int) -> None:
         buf = b""
@@ -3634,22 +3641,7 @@ class Client:
         late reply to an earlier renew (a park mark's \"still held\") would answer a later beat."""
         key = (lease.queue_key, lease.session_key)
         pending = _Pending()
-        with self._send_lock:
-            with self._cv:
-                sock = self._sock
-                if sock is None:
-                    raise DaemonUnavailable("not connected")
-                generation = self._generation
-                self._beats.setdefault(key, []).append(pending)
-            try:
-                sock.sendall(_line(message))
-            except OSError as e:
-                failed: Optional[OSError] = e
-            else:
-                failed = None
-        if failed is not None:
-            self._connection_lost(sock, generation)  # every place taken on it is let go
-            raise DaemonUnavailable(f"the daemon went away: {failed.strerror or failed}")
+        self._send(message, connect=False, then=lambda: self._beats.setdefault(key, []).append(pending))
         return pending
 
     def usage(self, queue_key: str, session_key: str, prefilled: int, reused: int = 0) -> None:
