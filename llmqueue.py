@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import heapq
+import itertools
 import json
 import os
 import re
@@ -141,6 +142,10 @@ POLICIES = ("priority-aging", "fifo")
 SWITCH_COSTS = ("auto", "cheap", "dear")
 KEPT_CHEAP = 0.8  # the share of its context each session back after a switch must find kept
 KEPT_SAMPLES = 4  # the most recent returns that must all have (at least 2 of them)
+# A return's depth: how many other sessions used the slot since the session's own last request.
+# One evicted at depth 1 (a single other session ran) is a dear switch; one evicted deeper only
+# bounds how many contexts the server keeps (``_Affinity.contexts``).  Counted this far at most.
+MAX_DEPTH = 64
 STATE_FILE = "llm-queue-state.json"  # in the agent dir: what a switch costs, learned, for the next daemon
 STATE_KEEP_S = 7 * 24 * 3600.0  # a queue's learned switch cost older than this is forgotten
 
@@ -461,26 +466,39 @@ def _read_small_file(path: str) -> bytes:
         os.close(fd)
 
 
-def encode_state(kept: dict[str, list[float]], at: dict[str, float]) -> bytes:
+Depths = Dict[str, Tuple[List[int], Optional[int]]]  # per queue: its returns' depths, the contexts learned
+
+
+def encode_state(kept: dict[str, list[float]], at: dict[str, float], depths: Optional[Depths] = None) -> bytes:
     """The agent dir's state file: per queue, its latest returns' kept shares and when the
-    last of them came (epoch seconds)."""
-    queues = {key: {"kept": [round(k, 4) for k in shares], "at": round(at.get(key, 0.0), 3)}
-              for key, shares in kept.items()}
+    last of them came (epoch seconds), and (additive) each return's depth and the number of
+    contexts the server was found to keep."""
+    queues: dict[str, dict[str, Any]] = {}
+    for key, shares in kept.items():
+        entry: dict[str, Any] = {"kept": [round(k, 4) for k in shares], "at": round(at.get(key, 0.0), 3)}
+        deep, contexts = (depths or {}).get(key, ([], None))
+        if len(deep) == len(shares):
+            entry["depths"] = list(deep)
+        if contexts is not None:
+            entry["contexts"] = contexts
+        queues[key] = entry
     return json.dumps({"version": 1, "affinity": queues}, sort_keys=True).encode() + b"\n"
 
 
-def decode_state(raw: bytes, wall: float) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """The state file's queues (kept shares, and when), leniently: anything malformed is
-    skipped, and so is a queue last heard of more than ``STATE_KEEP_S`` before ``wall``."""
+def decode_state(raw: bytes, wall: float) -> tuple[dict[str, list[float]], dict[str, float], Depths]:
+    """The state file's queues (kept shares, and when; the depths and contexts where it has
+    them), leniently: anything malformed is skipped, and so is a queue last heard of more than
+    ``STATE_KEEP_S`` before ``wall``."""
     kept: dict[str, list[float]] = {}
     at: dict[str, float] = {}
+    depths: Depths = {}
     try:
         obj = _DECODER.decode(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError):
-        return kept, at
+        return kept, at, depths
     queues = obj.get("affinity") if isinstance(obj, dict) and obj.get("version") == 1 else None
     if not isinstance(queues, dict):
-        return kept, at
+        return kept, at, depths
     for key, entry in list(queues.items())[:4096]:
         if not isinstance(entry, dict):
             continue
@@ -493,7 +511,13 @@ def decode_state(raw: bytes, wall: float) -> tuple[dict[str, list[float]], dict[
         if good:
             kept[key] = good
             at[key] = float(when)
-    return kept, at
+            deep, contexts = entry.get("depths"), _count(entry.get("contexts"))
+            counts = [d for d in (_count(d) for d in deep[-KEPT_SAMPLES:]) if d is not None and 1 <= d <= MAX_DEPTH] \
+                if isinstance(deep, list) else []
+            whole = len(good) == len(shares[-KEPT_SAMPLES:])  # each depth still goes with its share
+            depths[key] = (counts if whole and len(counts) == len(good) else [],
+                           contexts if contexts is not None and 1 <= contexts <= MAX_DEPTH else None)
+    return kept, at, depths
 
 
 def load_config(path: str) -> ConfigLoad:
@@ -782,7 +806,7 @@ class Holder:
     __slots__ = (
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
         "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
-        "idle_since", "dead_ms", "spare", "handback",
+        "idle_since", "dead_ms", "spare", "handback", "gap",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
@@ -805,6 +829,10 @@ class Holder:
         # queue would grant next, and to a child only while the queue's switch cost is unknown
         # (``Scheduler._refill``).  A parked holder yields to anyone anyway.
         self.handback = False
+        # Parked between two requests of its run, for a tool call (the park's ``gap``): it comes
+        # back, so where the server keeps only so many contexts its slot goes only to a waiter
+        # whose run evicts no context still in use (``Scheduler._gap_target``).
+        self.gap = False
         self.spare = spare  # on one of the queue's spare streams (parents only), not one of max_streams
         self.json = _who_json(session, role, group, spare)  # its entry in status replies
         # Dead time: since when it has had no request in flight (``busy: false``, or parked), and
@@ -932,9 +960,11 @@ class Usage(NamedTuple):
     seq: Optional[int]
     kept: Optional[float] = None  # back on the slot after another session: the share of its context kept
     switch_cost: str = "unknown"  # the queue's switches as of this report: cheap, dear, unknown
+    depth: Optional[int] = None  # with ``kept``: how many other sessions had used the slot meanwhile
 
 
-def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional[Sequence[str]] = None) -> str:
+def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional[Sequence[str]] = None,
+                depths: Optional[Sequence[int]] = None) -> str:
     """What a switch costs on a queue: its ``switchCost`` setting, or (``auto``) learned from the
     share of their context that sessions back on the slot after another found kept (the server's
     own counts): ``cheap`` when each of the most recent ``KEPT_SAMPLES`` kept at least
@@ -944,29 +974,55 @@ def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional
     for ``dear``: a server that keeps most contexts but not all (a host cache that holds two
     agents of four) evicts more once the queue hands over at every tool call, so ``cheap`` must
     be earned in a row.  Two sessions, because one that keeps coming back after a single other
-    only shows that the server keeps two contexts."""
+    only shows that the server keeps two contexts.
+
+    ``depths`` (each return's depth, in turn; without it every return is at depth 1): an
+    eviction deeper than 1 (after two or more other sessions) is no dear switch, since one other
+    session did not evict it; it bounds how many contexts the server keeps
+    (``learned_contexts``), and with that bound switches stay cheap."""
     if setting != "auto":
         return setting
     recent = list(kept)[-KEPT_SAMPLES:]
     if not recent:
         return "unknown"
-    if min(recent) < KEPT_CHEAP:
+    deep = list(depths)[-KEPT_SAMPLES:] if depths is not None else [1] * len(recent)  # one per return
+    if any(k < KEPT_CHEAP and d <= 1 for k, d in zip(recent, deep)):
         return "dear"
-    who = len(set(list(sessions)[-KEPT_SAMPLES:])) if sessions is not None else len(recent)
+    back = list(sessions)[-KEPT_SAMPLES:] if sessions is not None else [str(i) for i in range(len(recent))]
+    who = len({s for s, k in zip(back[-len(recent):], recent) if k >= KEPT_CHEAP})
     return "cheap" if who >= 2 else "unknown"
+
+
+def learned_contexts(kept: Sequence[float], depths: Sequence[int], contexts: Optional[int] = None) -> Optional[int]:
+    """How many contexts the server keeps, as the returns show it, from ``contexts`` known before:
+    None while no return was evicted; an eviction at depth d says at most d (the session's own and
+    d - 1 others'), and a return kept at depth d at least d + 1, the later of two that disagree
+    winning (contexts grow, and sizes differ)."""
+    for share, depth in zip(kept, depths):
+        if share < KEPT_CHEAP:
+            contexts = depth if contexts is None else min(contexts, depth)
+        elif contexts is not None and contexts <= depth:
+            contexts = depth + 1
+    return contexts
 
 
 class _Affinity:
     """A queue's switch record, from its usage reports: who reported last, each session's last
-    prompt (its size in tokens), and the share kept by each return after a switch."""
+    prompt (its size in tokens, in the order they reported: the last is the most recent), and the
+    share kept by each return after a switch, and at what depth."""
 
-    __slots__ = ("last", "prompts", "kept", "back", "returns", "probed", "probed_at", "prober")
+    __slots__ = ("last", "prompts", "kept", "back", "depths", "contexts", "returns", "probed", "probed_at",
+                 "prober")
 
     def __init__(self) -> None:
         self.last: Optional[str] = None
         self.prompts: OrderedDict[str, int] = OrderedDict()
         self.kept: deque[float] = deque(maxlen=KEPT_SAMPLES)
         self.back: deque[str] = deque(maxlen=KEPT_SAMPLES)  # who came back, for each of ``kept``
+        self.depths: deque[int] = deque(maxlen=KEPT_SAMPLES)  # and after how many others
+        # how many contexts the server keeps (``learned_contexts``), over every return: None while
+        # none was evicted
+        self.contexts: Optional[int] = None
         self.returns = 0
         # ``returns`` when a holder last gave way in a gap while the cost was unknown (a probe), and
         # when: the next probe waits for a return since, so that one switch at a time finds it
@@ -975,29 +1031,53 @@ class _Affinity:
         self.probed_at = 0.0
         self.prober: Optional[str] = None  # the session that gave way then: its return tells
 
-    def report(self, session: str, prefilled: int, reused: int) -> Optional[float]:
+    def report(self, session: str, prefilled: int, reused: int) -> tuple[Optional[float], int]:
         """One request's counts; the share of its previous prompt it found kept, when another
-        session reported in between (it came back after a switch), else None."""
+        session reported in between (it came back after a switch), else None; and how many other
+        sessions reported since its own last report (its depth)."""
+        depth = self.depth(session)
         before = self.prompts.pop(session, None)
         kept = None
         if before and self.last is not None and self.last != session:
             kept = min(1.0, reused / before)
             self.kept.append(kept)
             self.back.append(session)
+            self.depths.append(depth)
+            self.contexts = learned_contexts([kept], [depth], self.contexts)
             self.returns += 1
         self.prompts[session] = prefilled + reused
         while len(self.prompts) > 1024:
             self.prompts.popitem(last=False)
         self.last = session
-        return kept
+        return kept, depth
+
+    def depth(self, session: str) -> int:
+        """How many other sessions reported since ``session`` last did (``MAX_DEPTH`` at most, and
+        for one never seen)."""
+        for depth, other in enumerate(reversed(self.prompts)):
+            if other == session or depth == MAX_DEPTH:
+                return depth
+        return MAX_DEPTH
+
+    def resident(self) -> list[str]:
+        """The sessions whose contexts the server keeps, as far as the learned bound tells: the
+        ``contexts`` that reported most recently, the latest first (all of them while unbounded,
+        up to ``MAX_DEPTH``)."""
+        room = self.contexts if self.contexts is not None else MAX_DEPTH
+        return list(itertools.islice(reversed(self.prompts), room))
 
     def cost(self, setting: str = "auto") -> str:
-        return switch_cost(self.kept, setting, self.back)
+        return switch_cost(self.kept, setting, self.back, self.depths)
 
     def saved(self) -> list[float]:
         """The returns a later daemon starts from (it cannot tell who came back): all of them
         where they decide the cost, else only the latest, so that it too does not know yet."""
         return list(self.kept) if self.cost() != "unknown" else list(self.kept)[-1:]
+
+    def saved_depths(self) -> tuple[list[int], Optional[int]]:
+        """The depths of ``saved()``'s returns, and the contexts learned."""
+        depths = list(self.depths)
+        return (depths if self.cost() != "unknown" else depths[-1:]), self.contexts
 
 
 class Dead(NamedTuple):
@@ -1025,7 +1105,7 @@ class _Queue:
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
         "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents", "resumers",
-        "gaps",
+        "gaps", "away",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -1060,6 +1140,9 @@ class _Queue:
         # its holders' last gaps (ms), each from the end of a request (a handback gap, or a park) to
         # the holder's next one: how long its tool calls take
         self.gaps: deque[float] = deque(maxlen=8)
+        # sessions that gave their slot up in a tool-call gap (a ``gap`` park) and have not queued
+        # again, and when: their contexts are still in use for a while (``in_use``)
+        self.away: OrderedDict[str, float] = OrderedDict()
 
     def held(self) -> int:
         return len(self.holders) + len(self.extra)
@@ -1100,6 +1183,25 @@ class _Queue:
                 if other.session == session and other.key == key:
                     return other
         return holder
+
+    def tool_call_ms(self) -> float:
+        """How long the queue's tool calls take, as a session's own tool-gap window reckons them
+        from the holders' recent gaps (``tool_gap_window``); the grace while none is known."""
+        return 1000.0 * tool_gap_window([g / 1000.0 for g in self.gaps], GRACE_MS / 1000.0)
+
+    def in_use(self, session: str, now: float) -> bool:
+        """Whether ``session``'s context is still in use here: it holds, waits, or gave way in a
+        tool-call gap no longer ago than the queue's tool calls take."""
+        if session in self.holders or session in self.waiting:
+            return True
+        since = self.away.get(session)
+        return since is not None and now - since <= self.tool_call_ms()
+
+    def went_away(self, session: str, now: float) -> None:
+        self.away.pop(session, None)
+        self.away[session] = now
+        while len(self.away) > 64:
+            self.away.popitem(last=False)
 
     def may_resume(self, session: str) -> None:
         self.resumers.pop(session, None)
@@ -1209,6 +1311,7 @@ class Scheduler:
         q = self._queue_for(key)
         earned = session in q.resumers  # used by this acquire, or lost: earned for the next one only
         q.resumers.pop(session, None)
+        q.away.pop(session, None)  # back: it holds or waits from here
         holder = q.holder_for(key, session)
         if holder is not None:
             self._attach(holder, conn)
@@ -1311,10 +1414,10 @@ class Scheduler:
         while len(self._tokens) > 4096:
             self._tokens.popitem(last=False)
         affinity = self._affinity_of(resolved)
-        kept = affinity.report(session, prefilled, reused)
+        kept, depth = affinity.report(session, prefilled, reused)
         setting = q.policy.switch_cost if q else self.addressing.address_endpoint(key)[1].switch_cost
         return Usage(resolved, session, prefilled, reused, holder.seq if holder else None, kept,
-                     affinity.cost(setting))
+                     affinity.cost(setting), depth if kept is not None else None)
 
     def _affinity_of(self, key: str) -> _Affinity:
         """The switch record of queue ``key``, made if new, as the most recently used."""
@@ -1329,17 +1432,29 @@ class Scheduler:
         switch costs there, learned, to carry into a later daemon (``seed_affinity``)."""
         return {key: a.saved() for key, a in self._affinity.items() if a.kept}
 
-    def seed_affinity(self, kept: dict[str, list[float]]) -> None:
-        """What an earlier daemon learned (``affinity_kept``): each queue's returns, older than
-        any of its own, so a switch cost is known before anyone comes back."""
+    def affinity_depths(self) -> dict[str, tuple[list[int], Optional[int]]]:
+        """The depths of ``affinity_kept()``'s returns, per queue, and the contexts learned there."""
+        return {key: a.saved_depths() for key, a in self._affinity.items() if a.kept}
+
+    def seed_affinity(self, kept: dict[str, list[float]],
+                      depths: Optional[dict[str, tuple[list[int], Optional[int]]]] = None) -> None:
+        """What an earlier daemon learned (``affinity_kept``, and ``affinity_depths``): each
+        queue's returns, older than any of its own, so a switch cost is known before anyone comes
+        back.  A return of unknown depth counts at depth 1 (an eviction there: a dear switch)."""
         for key, shares in kept.items():
             affinity = self._affinity.pop(key, None) or _Affinity()
-            own, own_back = list(affinity.kept), list(affinity.back)
+            own, own_back, own_depths = list(affinity.kept), list(affinity.back), list(affinity.depths)
             seeded = list(shares)[-KEPT_SAMPLES:]
+            known, contexts = (depths or {}).get(key, ([], None))
+            deep = list(known)[len(known) - len(seeded):] if len(known) >= len(seeded) else [1] * len(seeded)
             affinity.kept.clear()
             affinity.kept.extend(seeded + own)  # the latest KEPT_SAMPLES stay
             affinity.back.clear()  # who came back then is not known: one session each
             affinity.back.extend([f"\x00earlier-{i}" for i in range(len(seeded))] + own_back)
+            affinity.depths.clear()
+            affinity.depths.extend(deep + own_depths)
+            if affinity.contexts is None:  # its own returns are later: they win
+                affinity.contexts = learned_contexts(seeded, deep, contexts)
             self._affinity[key] = affinity
         while len(self._affinity) > 4096:
             self._affinity.popitem(last=False)
@@ -1368,17 +1483,21 @@ class Scheduler:
             self._idle(holder, now)
         return True
 
-    def park(self, key: str, session: str, *, now: float) -> tuple[bool, list[Event]]:
+    def park(self, key: str, session: str, *, now: float, gap: bool = False) -> tuple[bool, list[Event]]:
         """A keyed beat that says the holder waits on another agent (``parked``): its TTL is
         refreshed, and its slot goes to a waiter at once -- one queued now, or the first to come
         while it stays parked.  A parked holder nobody needs keeps its slot (no switch); its
-        next activity beat un-parks it.  Returns (still held, events)."""
+        next activity beat un-parks it.  ``gap`` (additive): it parked between two requests of
+        its run, for a tool call, and comes back; where the queue learned that the server keeps
+        only so many contexts, its slot goes only to a waiter whose run evicts none still in use
+        (``_gap_target``).  Returns (still held, events)."""
         q = self._find(key)
         holder = q.holder_for(key, session) if q else None
         if q is None or holder is None:
             return False, []
         self._refresh(holder, now, activity=False)
         holder.parked = True
+        holder.gap = gap
         holder.handback = False
         return self._step_aside(q, holder, now)
 
@@ -1622,6 +1741,8 @@ class Scheduler:
                 head["affinity"] = {"switchCost": cost,
                                     "returns": affinity.returns if affinity else 0,
                                     "kept": round(sum(kept) / len(kept), 3) if kept else None}
+                if affinity is not None and affinity.contexts is not None:  # additive: once one was evicted
+                    head["affinity"]["contexts"] = affinity.contexts
             if now is not None:
                 oldest = [q.head(tier) for tier in (PARENT, CHILD)]
                 head["longestWaitMs"] = {
@@ -1701,7 +1822,7 @@ class Scheduler:
                 # a tool call's length, a gap's that ended in a park too (a longer one was none)
                 if holder.idle_since is not None and now - holder.idle_since <= GRACE_MS:
                     q.gaps.append(now - holder.idle_since)
-                holder.parked = holder.handback = False
+                holder.parked = holder.handback = holder.gap = False
                 q.parked.pop(holder, None)
                 self._busy(holder, now)
             if holder in q.idle:  # it spoke: no longer yieldable until its window passes again
@@ -1835,6 +1956,8 @@ class Scheduler:
         while q.waiting and q.parked:
             nxt = self._pick(q, now)
             to_parent = nxt is not None and nxt.role == PARENT  # a handback holder yields to it
+            # whom a holder parked in a tool-call gap gives its slot to (None: it keeps it)
+            gap_target = self._gap_target(q, nxt, now) if any(h.gap for h in q.parked) else nxt
             if cost is None and any(h.handback for h in q.parked):
                 affinity = self._affinity.get(q.key)
                 cost = affinity.cost(q.policy.switch_cost) if affinity else switch_cost((), q.policy.switch_cost)
@@ -1844,7 +1967,7 @@ class Scheduler:
 
             def gives_way(h: Holder) -> bool:
                 if h.parked:
-                    return True
+                    return not h.gap or gap_target is not None
                 # while the cost is unknown: a probe (one at a time; the first after the holder's
                 # share), or the slot back at once to the one that gave way last, whose return is
                 # awaited
@@ -1857,6 +1980,11 @@ class Scheduler:
             holder = next((h for h in q.parked if gives_way(h) and q.frees_for_waiter(h)), None)
             if holder is None:
                 break
+            target = gap_target if holder.gap else nxt
+            if holder.gap or not holder.parked:  # between two requests: its context is in use meanwhile
+                q.went_away(holder.session, now)
+            else:
+                q.away.pop(holder.session, None)
             if holder.parked:
                 q.park_yields += 1
             else:
@@ -1873,7 +2001,30 @@ class Scheduler:
                         q.may_resume(holder.session)
             self._drop_lease(holder, Released(q.key, holder, "parked" if holder.parked else "handback"),
                              events, now)
+            if target is not None and target is not nxt and target.live and q.has_room():
+                self._grant_waiter(q, target, now, events)  # a waiter whose context is kept goes first
             self._fill(q, now, events)
+
+    def _gap_target(self, q: _Queue, nxt: Optional[Waiter], now: float) -> Optional[Waiter]:
+        """Whom a holder parked in a tool-call gap gives its slot to: ``nxt``, the waiter the queue
+        would grant, unless the queue learned that switches are cheap only because the server
+        keeps the contexts of so many sessions (``_Affinity.contexts``: a return was evicted after
+        two or more others ran), and ``nxt``'s run would push out the context of one still in
+        use (``_Queue.in_use``).  A waiting child whose context is kept then goes instead, the
+        one that waited longest; with none, the holder keeps its slot, as where switches are
+        dear.  A parent, and a child aged past ``agingAfterMs``, goes first whatever it costs."""
+        if nxt is None or nxt.role != CHILD or q.policy.switch_cost != "auto":
+            return nxt
+        affinity = self._affinity.get(q.key)
+        if affinity is None or affinity.contexts is None or affinity.contexts < 2 or affinity.cost() != "cheap":
+            return nxt
+        if q.policy.aging_after_ms > 0 and now - nxt.enqueued_at >= q.policy.aging_after_ms:
+            return nxt
+        resident = affinity.resident()  # the latest first
+        if nxt.session in resident or len(resident) < affinity.contexts or not q.in_use(resident[-1], now):
+            return nxt  # its context is kept, or there is room for it, or it evicts one done with
+        kept = [w for w in (q.waiting.get(s) for s in resident) if w is not None and w.role == CHILD]
+        return min(kept, key=lambda w: w.seq) if kept else None
 
     @staticmethod
     def _probe(q: _Queue, affinity: Optional[_Affinity], now: float) -> tuple[bool, Optional[str]]:
@@ -1888,8 +2039,7 @@ class Scheduler:
             return True, None
         since = now - affinity.probed_at
         back = affinity.prober is not None and affinity.prober in q.waiting
-        absent = 1000.0 * tool_gap_window([g / 1000.0 for g in q.gaps], GRACE_MS / 1000.0)
-        if since >= PROBE_AGAIN_MS or not back and (since >= absent or affinity.kept):
+        if since >= PROBE_AGAIN_MS or not back and (since >= q.tool_call_ms() or affinity.kept):
             return True, None
         return False, affinity.prober
 
@@ -1922,17 +2072,22 @@ class Scheduler:
                 w = self._pick(q, now)
             if w is None:  # pragma: no cover - waiting and the heaps always agree
                 raise AssertionError(f"{q.key}: waiters without heap entries")
-            alive = {conn: self.alive(conn) for conn in {t[0] for t in w.targets}}
-            targets = tuple(t for t in w.targets if alive[t[0]])
-            self._drop_waiter(w)
-            if not targets:  # everyone who asked has gone: never grant a dead waiter
-                events.append(Dequeued(q.key, w, "disconnect"))
-                continue
-            holder = self._grant(q, w.session, w.role, w.group, w.activity, targets[0][1], now, spare)
-            for conn, _ in targets:
-                self._attach(holder, conn)
-            q.switches += 1
-            events.append(Granted(q.key, holder, targets, new=True, switch=True))
+            self._grant_waiter(q, w, now, events, spare)
+
+    def _grant_waiter(self, q: _Queue, w: Waiter, now: float, events: list[Event], spare: bool = False) -> None:
+        """Grant waiter ``w`` a slot (a spare stream with ``spare``), unless everyone who asked for
+        it has gone: it is dropped then."""
+        alive = {conn: self.alive(conn) for conn in {t[0] for t in w.targets}}
+        targets = tuple(t for t in w.targets if alive[t[0]])
+        self._drop_waiter(w)
+        if not targets:  # everyone who asked has gone: never grant a dead waiter
+            events.append(Dequeued(q.key, w, "disconnect"))
+            return
+        holder = self._grant(q, w.session, w.role, w.group, w.activity, targets[0][1], now, spare)
+        for conn, _ in targets:
+            self._attach(holder, conn)
+        q.switches += 1
+        events.append(Granted(q.key, holder, targets, new=True, switch=True))
 
 
 # =================================================================================================
@@ -1967,6 +2122,7 @@ class Request(NamedTuple):
     busy: Optional[bool] = None  # additive, on a keyed renew: whether a request is in flight
     spare: bool = False  # additive, on acquire: a parent may take a spare stream when every slot is held
     handback: bool = False  # additive, on a keyed renew: between two requests (see Scheduler.handback)
+    gap: bool = False  # additive, with ``parked``: parked for a tool call between two requests (Scheduler.park)
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -2047,6 +2203,9 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     handback = msg.get("handback")
     if handback is not None and not isinstance(handback, bool):
         raise ProtocolError(f"handback must be true or false (got {_show(handback)})")
+    gap = msg.get("gap")
+    if gap is not None and not isinstance(gap, bool):
+        raise ProtocolError(f"gap must be true or false (got {_show(gap)})")
     if op in _KEYED_OPS and queue_key is None:
         raise ProtocolError(f"{op} requires queueKey")
     if op == "role" and role is None:
@@ -2063,7 +2222,7 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     if op == "usage" and counts == [None, None]:
         raise ProtocolError("usage requires prefilled or reused")
     return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume),
-                   counts[0], counts[1], busy, bool(spare), bool(handback))
+                   counts[0], counts[1], busy, bool(spare), bool(handback), bool(gap))
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -2134,6 +2293,8 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
             line["seq"] = event.seq
         if event.kept is not None:
             line["kept"] = round(event.kept, 3)
+        if event.depth is not None:
+            line["depth"] = event.depth
         return [line]
     holder = event.holder
     base: dict[str, Any] = {"queueKey": event.queue_key, "sessionKey": holder.session, "role": ROLES[holder.role]}
@@ -2595,7 +2756,7 @@ class Daemon:
                 sched.renew(c, now=now)
                 self._send(c, _OK)
             elif req.parked:
-                granted, events = sched.park(req.queue_key, session, now=now)
+                granted, events = sched.park(req.queue_key, session, now=now, gap=req.gap)
                 self._apply(events)  # the handoff goes out first
                 self._send(c, encode_beat(req.queue_key, session, granted))
             elif req.handback:
@@ -2652,14 +2813,14 @@ class Daemon:
             raw = _read_small_file(self.state_path)
         except OSError:
             return  # none yet (or unusable): learn afresh
-        kept, self._state_at = decode_state(raw, time.time())
-        self.scheduler.seed_affinity(kept)
+        kept, self._state_at, depths = decode_state(raw, time.time())
+        self.scheduler.seed_affinity(kept, depths)
 
     def _save_state(self) -> None:
         """Write what was learned, atomically (a temporary file renamed over the state file), so
         the next daemon starts from it.  A failure is said once and costs nothing else."""
         kept = self.scheduler.affinity_kept()
-        data = encode_state(kept, {k: self._state_at.get(k, 0.0) for k in kept})
+        data = encode_state(kept, {k: self._state_at.get(k, 0.0) for k in kept}, self.scheduler.affinity_depths())
         tmp = f"{self.state_path}.{os.getpid()}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -3032,6 +3193,7 @@ class Lease:
         self.lost = False
         self.released = False
         self._blocking = 0
+        self._gap_blocking = 0  # of them, the pauses for a tool call between two requests
         self._next_beat = 0.0
         self._parked = False  # the daemon was told this pause (a parked beat went out)
         self._parent_waiting = False  # the last beat reply said a parent waits for this child's slot
@@ -3080,11 +3242,14 @@ class Lease:
             self.client._reacquire(self, timeout)
         return self
 
-    def blocking(self) -> _Blocking:
+    def blocking(self, gap: bool = False) -> _Blocking:
         """A context in which the lease is parked (the run waits on another agent): its keyed
         beat pauses, and a waiter gets the slot at once.  Leaving it resumes the beat at once;
-        a slot handed over meanwhile shows as ``lost``, and ``ensure()`` queues again."""
-        return _Blocking(self)
+        a slot handed over meanwhile shows as ``lost``, and ``ensure()`` queues again.  ``gap``:
+        parked for a tool call between two requests of the run, which comes back; the park says
+        so (the renew's ``gap``), and where the server keeps only so many contexts the daemon
+        gives the slot only to a waiter whose run evicts none still in use."""
+        return _Blocking(self, gap)
 
     def __enter__(self) -> Lease:
         return self
@@ -3098,12 +3263,14 @@ class Lease:
 
 
 class _Blocking:
-    def __init__(self, lease: Lease) -> None:
+    def __init__(self, lease: Lease, gap: bool = False) -> None:
         self.lease = lease
+        self.gap = gap
 
     def __enter__(self) -> Lease:
         with self.lease.client._cv:
             self.lease._blocking += 1
+            self.lease._gap_blocking += self.gap
             self.lease.client._cv.notify_all()
         return self.lease
 
@@ -3111,6 +3278,7 @@ class _Blocking:
         client = self.lease.client
         with client._cv:
             self.lease._blocking -= 1
+            self.lease._gap_blocking -= self.gap
             self.lease._next_beat = 0.0  # work resumes: beat at once
             client._cv.notify_all()
 
@@ -3804,7 +3972,8 @@ class Client:
                         if not held[0]._parked and any(lease.activity for lease in held):
                             for lease in held:
                                 lease._parked = True
-                            actions.append(self._beat_action(held[0], parked=True))
+                            gap = all(lease._gap_blocking == lease._blocking for lease in held)
+                            actions.append(self._beat_action(held[0], parked=True, gap=gap))
                         continue
                     for lease in held:
                         lease._parked = False  # its activity beat un-parks it
@@ -3836,10 +4005,12 @@ class Client:
                 except Exception as e:  # a failing callback must not stop the beats
                     self.on_warning(f"llmqueue: background call failed: {e!r}")
 
-    def _beat_action(self, lease: Lease, parked: bool = False) -> Callable[[], None]:
+    def _beat_action(self, lease: Lease, parked: bool = False, gap: bool = False) -> Callable[[], None]:
         message: dict[str, Any] = {"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key}
         if parked:
             message["parked"] = True  # additive: an older daemon ignores it (and idle-yields later)
+            if gap:
+                message["gap"] = True  # additive, likewise: parked for a tool call, it comes back
 
         def send() -> None:
             try:
@@ -3938,12 +4109,14 @@ class Session:
                 lease._set_role(self.role)
         return lease
 
-    def settle(self, park_after: Optional[float] = None) -> None:
+    def settle(self, park_after: Optional[float] = None, gap: bool = False) -> None:
         """The run settled: release after the grace, unless the next run starts first.
         ``park_after`` (seconds, at most the grace): keep the slot that long whoever waits, then
         park for the rest of the grace (at once, should a usage reply say meanwhile that switches
         are cheap: a waiter going first costs it no prefill); None: the session's own rule (a subagent parks at once,
-        a parent after ``PARENT_HANDBACK_MS``, and with ``yield_on_settle`` off it never parks)."""
+        a parent after ``PARENT_HANDBACK_MS``, and with ``yield_on_settle`` off it never parks).
+        ``gap``: the run may go on after a tool call (the proxy cannot tell), so its park says so
+        (``Lease.blocking``)."""
         with self._lock:
             lease = self.lease
             if lease is None or lease.released or self._cancel_grace is not None:
@@ -3974,7 +4147,7 @@ class Session:
             if never:
                 return
             if at_once:
-                self._settled = lease.blocking()
+                self._settled = lease.blocking(gap=gap)
                 self._settled.__enter__()
                 return
             if handback:
@@ -3984,7 +4157,7 @@ class Session:
                 with self._lock:
                     if self._turn == turn and self._settled is None and not lease.released:
                         lease._handback = False  # parked from here: a loss now is no hand-back
-                        self._settled = lease.blocking()
+                        self._settled = lease.blocking(gap=gap)
                         self._settled.__enter__()
 
             if park_after is None:
@@ -4080,7 +4253,7 @@ class Session:
                 if (self._gap_turn == token and self._settled is None and self.lease is lease
                         and lease.held and not lease.released):
                     lease._handback = False  # parked from here: a loss now is no hand-back
-                    self._settled = lease.blocking()
+                    self._settled = lease.blocking(gap=True)
                     self._settled.__enter__()
 
         self.client.call_later(window, park)
@@ -5037,7 +5210,8 @@ class Proxy:
                 lease = ps.session.lease
                 if lease is not None and lease.held:
                     ps.session._mark(lease, False)  # nothing of the session streams now
-                ps.session.settle(park_after=self.hold_window(ps, ending))
+                # a response that did not end the run for sure is a tool call's gap: it comes back
+                ps.session.settle(park_after=self.hold_window(ps, ending), gap=ending != "turn")
                 # Forget the session once its grace has let the slot go (and no request came).
                 self.client.call_later(self.grace_ms / 1000.0 + 1.0, lambda: self._forget(key, ps))
             else:
@@ -5357,9 +5531,9 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             prefilled, reused = e.get("prefilled"), e.get("reused")
             if _count(prefilled) is not None and _count(reused) is not None:
                 q["usage"].append((t, session, prefilled, reused, e.get("seq")))
-            kept = e.get("kept")
+            kept, depth = e.get("kept"), _count(e.get("depth"))
             if isinstance(kept, (int, float)) and not isinstance(kept, bool) and 0 <= kept <= 1:
-                q["kept"].append((t, float(kept), session))
+                q["kept"].append((t, float(kept), session, depth if depth is not None and depth >= 1 else 1))
             continue
         if kind == "release" or kind == "evict":
             reason = e.get("reason") or kind
@@ -5450,10 +5624,12 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
         switches = count([t for t, _ in q["switches"]])
         tokens = _token_figures([u for u in q["usage"] if inside(u[0])], q["switch_seqs"])
         if tokens is not None:
-            kept = [k for t, k, _ in q["kept"] if inside(t)]
+            returns = [(k, s, d) for t, k, s, d in q["kept"] if inside(t)]
+            kept = [k for k, _, _ in returns]
             tokens["returns"] = {"requests": len(kept),
                                  "meanKept": round(sum(kept) / len(kept), 3) if kept else None,
-                                 "switchCost": switch_cost(kept, "auto", [s for t, _, s in q["kept"] if inside(t)])}
+                                 "switchCost": switch_cost(kept, "auto", [s for _, s, _ in returns],
+                                                           [d for _, _, d in returns])}
         dead_session: dict[str, float] = {}
         for t, session, ms in q["dead"]:
             if inside(t):

@@ -130,10 +130,13 @@ def test_the_usage_reply_status_and_log_say_what_a_switch_costs() -> None:
         assert p.ask({"op": "acquire", "queueKey": K, "sessionKey": "B"})["op"] == "granted"
         assert d.queue(K)["affinity"] == {"switchCost": "cheap", "returns": 2, "kept": 1.0}
         assert p.ask(usage("A", 1020, 0))["switchCost"] == "dear"  # A's 1,020 all gone
-        assert d.queue(K)["affinity"] == {"switchCost": "dear", "returns": 3, "kept": 0.667}
+        # and the server keeps one context: A's own went after one other (additive: once one went)
+        assert d.queue(K)["affinity"] == {"switchCost": "dear", "returns": 3, "kept": 0.667, "contexts": 1}
         lines = wait_for(lambda: [e for e in log_lines(log) if e["event"] == "usage"][4:] or None)
         kept = [e.get("kept") for e in log_lines(log) if e["event"] == "usage"]
         assert kept == [None, None, 1.0, 1.0, 0.0] and lines
+        # each return's depth: how many other sessions reported since its own last report
+        assert [e.get("depth") for e in log_lines(log) if e["event"] == "usage"] == [None, None, 1, 1, 1]
         report = lq.build_report(lq.read_event_log([log]))
         assert report["queues"][K]["tokens"]["returns"] == {"requests": 3, "meanKept": 0.667, "switchCost": "dear"}
         assert "back after a switch: 3 requests found 67% of their context kept: switches are dear" in \

@@ -136,9 +136,9 @@ def test_a_state_file_that_cannot_be_written_costs_nothing_else() -> None:
 def test_the_state_round_trips_and_a_queue_too_old_or_from_the_future_is_dropped() -> None:
     now = 1_800_000_000.0
     data = lq.encode_state({"a": [1.0, 0.5], "b": [0.25]}, {"a": now - 10, "b": now - 8 * 86400})
-    kept, at = lq.decode_state(data, now)
-    assert kept == {"a": [1.0, 0.5]} and at == {"a": now - 10}
-    assert lq.decode_state(lq.encode_state({"a": [1.0]}, {"a": now + 3600}), now) == ({}, {})
+    kept, at, depths = lq.decode_state(data, now)
+    assert kept == {"a": [1.0, 0.5]} and at == {"a": now - 10} and depths == {"a": ([], None)}
+    assert lq.decode_state(lq.encode_state({"a": [1.0]}, {"a": now + 3600}), now) == ({}, {}, {})
     many = lq.encode_state({"a": [1.0] * 3 + [0.0] * 3}, {"a": now})
     assert lq.decode_state(many, now)[0] == {"a": [1.0, 0.0, 0.0, 0.0]}  # the latest KEPT_SAMPLES
 

@@ -1,0 +1,376 @@
+"""Where the server keeps only so many contexts (issue 13, "affinity that fits the server"): the
+queue learns how many, and rotates the slot only among that many sessions.
+
+A return's depth is how many other sessions reported usage since the session's own last report.
+A return evicted at depth 1 (one other session ran) makes switches dear, as before.  One evicted
+only deeper bounds how many contexts the server keeps (``contexts``, in ``status``'s
+``affinity``): at most the depth; a return kept at depth d says at least d + 1, the later of two
+that disagree winning.  Switches stay cheap within that bound.  The depth goes to the log's
+``usage`` lines and the report uses it; the state file carries depths and contexts (additive).
+
+A holder that parks between two requests, for a tool call, says so (``gap: true`` on the parked
+renew; ``Lease.blocking(gap=True)``, and a ``Session``'s own gap parks and the proxy's do it).
+Where the contexts are bounded, its slot goes to the waiter the queue would grant only if that
+waiter's run pushes out no context still in use (a holder's, a waiter's, or one that gave way
+in a tool-call gap no longer ago than the queue's tool calls take).  Otherwise a waiting child
+whose context is kept goes instead, the one that waited longest; with none, the holder keeps the
+slot.  A parent, and a child past ``agingAfterMs``, goes first whatever it costs.  Any park
+without ``gap`` (a blocking tool) gives the slot to any waiter at once, as before; so does every
+park where the bound is not known.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, Dict, List
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import llmqueue as lq
+from tests.harness import short_tmpdir, started, wait_for
+from tests.test_handover import client_of, log_lines
+
+K = "http://127.0.0.1:8001/v1"
+SOON = 1.0
+T0 = 1000.0
+
+# Children A and B came back after each other to kept contexts (cheap), then C came, and A came
+# back after B and C to an evicted one: the server keeps two contexts.  The last to report were
+# A, then C (the two kept), then B (evicted).
+LESSON = (("A", 1000, 0), ("B", 1000, 0), ("A", 10, 1000), ("B", 10, 1010), ("C", 1000, 0), ("A", 1010, 0))
+
+
+def sched(**defaults: Any) -> lq.Scheduler:
+    cfg, errors, _ = lq.validate_config({"defaults": dict({"agingAfterMs": 0, "agingAfterSlots": 0}, **defaults)})
+    assert not errors, errors
+    return lq.Scheduler(lq.Addressing(cfg))
+
+
+def taught(**defaults: Any) -> lq.Scheduler:
+    s = sched(**defaults)
+    for who, prefilled, reused in LESSON:
+        s.usage(K, who, prefilled, reused)
+    return s
+
+
+def granted(events: List[lq.Event]) -> List[str]:
+    return [e.holder.session for e in events if isinstance(e, lq.Granted)]
+
+
+def affinity(s: lq.Scheduler) -> Dict[str, Any]:
+    """The queue's ``affinity`` in ``status`` (which lists a queue once someone used it)."""
+    if not [q for q in s.status(now=T0) if q["queueKey"] == K]:
+        s.acquire("z", K, "Z", now=T0)
+        s.release(K, "Z", now=T0)
+    (q,) = [q for q in s.status(now=T0) if q["queueKey"] == K]
+    return dict(q["affinity"])
+
+
+# -- the pure core ------------------------------------------------------------------------------
+
+
+def test_core_an_eviction_after_two_others_bounds_the_contexts_and_switches_stay_cheap() -> None:
+    assert lq.switch_cost([1.0, 1.0, 0.0], "auto", ["A", "B", "A"], [1, 1, 2]) == "cheap"
+    assert lq.switch_cost([1.0, 1.0, 0.0], "auto", ["A", "B", "A"], [1, 1, 1]) == "dear"
+    assert lq.switch_cost([1.0, 1.0, 0.0], "auto", ["A", "B", "A"]) == "dear"  # no depths: each at 1
+    assert lq.switch_cost([0.0, 0.0], "auto", ["A", "B"], [2, 3]) == "unknown"  # nothing kept yet
+    assert lq.learned_contexts([1.0, 1.0], [1, 3]) is None  # nothing evicted: no bound
+    assert lq.learned_contexts([1.0, 1.0, 0.0], [1, 1, 2]) == 2
+    assert lq.learned_contexts([0.0, 0.0], [3, 2]) == 2
+    assert lq.learned_contexts([0.0, 1.0], [2, 2]) == 3  # kept after two others, later: the later wins
+    assert lq.learned_contexts([1.0], [1], 2) == 2  # a kept return within the bound changes nothing
+
+
+def test_core_the_depth_of_each_return_goes_with_its_usage_and_the_bound_shows_in_status() -> None:
+    s = sched()
+    depths = [s.usage(K, who, prefilled, reused).depth for who, prefilled, reused in LESSON]
+    assert depths == [None, None, 1, 1, None, 2]  # only returns have one
+    assert affinity(s) == {"switchCost": "cheap", "returns": 3, "kept": 0.667, "contexts": 2}
+    assert s.usage(K, "C", 10, 1000).depth == 1 and affinity(s)["contexts"] == 2  # kept within it
+    assert s.usage(K, "B", 10, 1010).depth == 2 and affinity(s)["contexts"] == 3  # kept past it
+
+
+def test_core_a_gap_park_gives_the_slot_to_a_waiter_whose_context_is_kept_before_one_that_would_evict() -> None:
+    s = taught()
+    s.acquire("a", K, "A", "child", now=T0)
+    s.acquire("b", K, "B", "child", now=T0)  # first in line, but its context is gone: its run evicts C's
+    s.acquire("c", K, "C", "child", now=T0 + 1)  # kept, and in use
+    held, events = s.park(K, "A", now=T0 + 10, gap=True)
+    assert not held and granted(events) == ["C"]
+    (q,) = s.status(now=T0 + 10)
+    assert [w["sessionKey"] for w in q["waiting"]] == ["B"] and q["parkYields"] == 1
+
+
+def test_core_a_gap_park_keeps_the_slot_while_the_only_waiter_would_evict_a_context_in_use() -> None:
+    s = taught()
+    s.acquire("c", K, "C", "child", now=T0)
+    s.acquire("a", K, "A", "child", now=T0)
+    held, events = s.park(K, "C", now=T0 + 10, gap=True)  # A's context is kept: A goes
+    assert not held and granted(events) == ["A"]
+    s.acquire("b", K, "B", "child", now=T0 + 20)
+    held, events = s.park(K, "A", now=T0 + 30, gap=True)  # B's run would evict C's, and C comes back
+    assert held and events == []
+    events = s.acquire("c", K, "C", "child", now=T0 + 500)  # back from its tool call: it goes first
+    assert granted(events) == ["C"]
+    (q,) = s.status(now=T0 + 500)
+    assert [w["sessionKey"] for w in q["waiting"]] == ["B"]
+
+
+def test_core_a_context_given_up_in_a_gap_is_in_use_only_as_long_as_the_queues_tool_calls_take() -> None:
+    s = taught()
+    s.acquire("c", K, "C", "child", now=T0)
+    s.acquire("a", K, "A", "child", now=T0)
+    assert granted(s.park(K, "C", now=T0 + 10, gap=True)[1]) == ["A"]
+    s.acquire("b", K, "B", "child", now=T0 + 20)
+    assert s.park(K, "A", now=T0 + 30, gap=True) == (True, [])
+    # no tool call is known on the queue: C's counts as in use for the grace, then as done with
+    later = T0 + 10 + lq.GRACE_MS + 1
+    events = s.acquire("d", K, "D", "child", now=later)  # any event of the queue looks again
+    assert granted(events) == ["B"]
+
+
+def test_core_a_park_that_is_no_gap_and_any_park_where_no_bound_is_known_goes_to_the_next_waiter() -> None:
+    s = taught()
+    s.acquire("a", K, "A", "child", now=T0)
+    s.acquire("b", K, "B", "child", now=T0)
+    s.acquire("c", K, "C", "child", now=T0 + 1)
+    held, events = s.park(K, "A", now=T0 + 10)  # a blocking tool: it waits on other agents
+    assert not held and granted(events) == ["B"]
+    s = sched()
+    for who, prefilled, reused in LESSON[:4] + (("C", 1000, 0),):  # cheap, nothing evicted yet
+        s.usage(K, who, prefilled, reused)
+    assert "contexts" not in affinity(s) and affinity(s)["switchCost"] == "cheap"
+    s.acquire("a", K, "A", "child", now=T0)
+    s.acquire("b", K, "B", "child", now=T0)
+    s.acquire("c", K, "C", "child", now=T0 + 1)
+    held, events = s.park(K, "A", now=T0 + 10, gap=True)
+    assert not held and granted(events) == ["B"]
+
+
+def test_core_where_switches_are_dear_a_gap_park_still_goes_to_the_next_waiter() -> None:
+    # a session's window ran out before it parked: the spec's park, whatever the gap
+    s = sched()
+    for who, prefilled, reused in (("A", 1000, 0), ("B", 1000, 0), ("A", 1000, 0)):
+        s.usage(K, who, prefilled, reused)
+    assert affinity(s)["switchCost"] == "dear" and affinity(s)["contexts"] == 1
+    s.acquire("a", K, "A", "child", now=T0)
+    s.acquire("c", K, "C", "child", now=T0)
+    held, events = s.park(K, "A", now=T0 + 10, gap=True)
+    assert not held and granted(events) == ["C"]
+
+
+def test_core_a_parent_and_an_aged_child_go_first_whatever_their_run_evicts() -> None:
+    for last in ("parent", "aged"):
+        s = taught(agingAfterMs=500)
+        s.acquire("c", K, "C", "child", now=T0)
+        s.acquire("a", K, "A", "child", now=T0)
+        assert granted(s.park(K, "C", now=T0 + 10, gap=True)[1]) == ["A"]
+        s.acquire("b", K, "B", "child", now=T0 + 20)
+        assert s.park(K, "A", now=T0 + 30, gap=True) == (True, [])
+        if last == "parent":
+            assert granted(s.acquire("p", K, "P", "parent", now=T0 + 40)) == ["P"]
+        else:  # B has waited its agingAfterMs
+            assert granted(s.acquire("d", K, "D", "child", now=T0 + 20 + 500)) == ["B"]
+
+
+def test_core_the_bound_and_the_depths_go_to_a_later_daemon_and_an_old_state_file_means_depth_1() -> None:
+    s = taught()
+    kept, depths = s.affinity_kept(), s.affinity_depths()
+    assert kept == {K: [1.0, 1.0, 0.0]} and depths == {K: ([1, 1, 2], 2)}
+    now = 1_800_000_000.0
+    back, at, deep = lq.decode_state(lq.encode_state(kept, {K: now - 5}, depths), now)
+    assert back == kept and deep == depths and at == {K: now - 5}
+    later = lq.Scheduler()
+    later.seed_affinity(back, deep)
+    assert affinity(later)["switchCost"] == "cheap" and affinity(later)["contexts"] == 2
+    # a state file of an older daemon has no depths: its eviction was a dear switch
+    old = json.dumps({"version": 1, "affinity": {K: {"kept": [1.0, 1.0, 0.0], "at": now - 5}}}).encode()
+    back, at, deep = lq.decode_state(old, now)
+    assert deep == {K: ([], None)}
+    older = lq.Scheduler()
+    older.seed_affinity(back, deep)
+    assert affinity(older)["switchCost"] == "dear"
+    # malformed depths and contexts are dropped, the kept shares stay
+    bad = json.dumps({"version": 1, "affinity": {K: {"kept": [1.0, 0.0], "at": now - 5, "depths": [1, "x"],
+                                                     "contexts": -3}}}).encode()
+    assert lq.decode_state(bad, now) == ({K: [1.0, 0.0]}, {K: now - 5}, {K: ([], None)})
+
+
+# -- the wire -------------------------------------------------------------------------------------
+
+
+def teach(peer: Any) -> None:
+    for who, prefilled, reused in LESSON:
+        assert peer.ask({"op": "usage", "queueKey": K, "sessionKey": who, "prefilled": prefilled,
+                         "reused": reused})["op"] == "ok"
+
+
+def test_a_gap_park_over_the_socket_goes_to_the_waiter_whose_context_is_kept() -> None:
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log, "agingAfterMs": 0, "agingAfterSlots": 0}}):
+        p, a, b, c = d.peer(), d.peer(), d.peer(), d.peer()
+        teach(p)
+        assert a.ask({"op": "acquire", "queueKey": K, "sessionKey": "A", "role": "child"})["op"] == "granted"
+        assert d.queue(K)["affinity"] == {"switchCost": "cheap", "returns": 3, "kept": 0.667, "contexts": 2}
+        b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "child"})
+        wait_for(lambda: d.waiting(K) == ["B"])
+        c.send({"op": "acquire", "queueKey": K, "sessionKey": "C", "role": "child"})
+        wait_for(lambda: d.waiting(K) == ["B", "C"])
+        reply = a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True, "gap": True})
+        assert reply == {"op": "ok", "queueKey": K, "sessionKey": "A", "granted": False}
+        assert c.recv(SOON)["op"] == "granted" and d.waiting(K) == ["B"]
+        depths = [e.get("depth") for e in log_lines(log) if e["event"] == "usage"]
+        assert depths == [None, None, 1, 1, None, 2]
+
+
+def test_a_bad_gap_field_is_an_error_reply_that_changes_nothing() -> None:
+    for d in started():
+        a, b = d.peer(), d.peer()
+        assert a.ask({"op": "acquire", "queueKey": K, "sessionKey": "A"})["op"] == "granted"
+        b.send({"op": "acquire", "queueKey": K, "sessionKey": "B"})
+        wait_for(lambda: d.waiting(K) == ["B"])
+        for bad in ("yes", 1, [True]):
+            reply = a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True, "gap": bad})
+            assert reply["op"] == "error" and "gap must be true or false" in reply["reason"]
+        assert d.holders(K) == ["A"] and d.waiting(K) == ["B"]
+
+
+# -- Client ---------------------------------------------------------------------------------------
+
+
+def test_a_sessions_own_gap_park_says_gap_and_keeps_the_rotation_among_the_contexts_kept() -> None:
+    for d in started(config={"defaults": {"agingAfterMs": 0, "agingAfterSlots": 0}}):
+        with client_of(d) as client:
+            client.status()  # connected: a usage report goes out only then
+            for who, prefilled, reused in LESSON:  # through the client: its replies tell it "cheap"
+                client.usage(K, who, prefilled, reused)
+            wait_for(lambda: client.switch_cost(K) == "cheap")
+            a = client.session(K, "A", "child", grace_ms=5000)
+            b, c = d.peer(), d.peer()
+            with a.run():
+                with a.request():
+                    b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "child"})
+                    wait_for(lambda: d.waiting(K) == ["B"])
+                    c.send({"op": "acquire", "queueKey": K, "sessionKey": "C", "role": "child"})
+                    wait_for(lambda: d.waiting(K) == ["B", "C"])
+                # its gap: cheap, so it parks at once, and says it is a gap: C goes, not B
+                assert c.recv(SOON + 1)["op"] == "granted"
+                assert d.waiting(K) == ["B"]
+
+
+def test_a_blocking_lease_says_gap_only_when_asked() -> None:
+    for d in started(config={"defaults": {"agingAfterMs": 0, "agingAfterSlots": 0}}):
+        with client_of(d) as client:
+            client.status()  # connected: a usage report goes out only then
+            for who, prefilled, reused in LESSON:
+                client.usage(K, who, prefilled, reused)
+            for gap, goes in ((False, "B"), (True, "C")):
+                lease = client.acquire(K, "A", "child", activity=True)
+                b, c = d.peer(), d.peer()
+                b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "child"})
+                wait_for(lambda: d.waiting(K) == ["B"])
+                c.send({"op": "acquire", "queueKey": K, "sessionKey": "C", "role": "child"})
+                wait_for(lambda: d.waiting(K) == ["B", "C"])
+                with lease.blocking(gap=gap):
+                    wait_for(lambda: goes in d.holders(K), timeout=SOON + 1)
+                lease.release()
+                b.close()
+                c.close()
+                wait_for(lambda: d.holders(K) == [] and d.waiting(K) == [])
+
+
+# -- the pure core, whatever happens ----------------------------------------------------------------
+
+SESSIONS = ["s0", "s1", "s2", "s3", "s4"]
+CONNS = ["c0", "c1", "c2"]
+op_strategy = st.one_of(
+    st.tuples(st.just("acquire"), st.sampled_from(CONNS), st.sampled_from(SESSIONS), st.sampled_from(lq.ROLES)),
+    st.tuples(st.just("release"), st.sampled_from(SESSIONS)),
+    st.tuples(st.just("cancel"), st.sampled_from(SESSIONS)),
+    st.tuples(st.just("disconnect"), st.sampled_from(CONNS)),
+    st.tuples(st.just("park"), st.sampled_from(SESSIONS), st.booleans()),
+    st.tuples(st.just("beat"), st.sampled_from(SESSIONS)),
+    st.tuples(st.just("usage"), st.sampled_from(SESSIONS), st.booleans()),
+    st.tuples(st.just("wait"), st.integers(1, 5000)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 2), st.lists(op_strategy, max_size=60))
+def test_property_the_rotation_among_kept_contexts_never_loses_a_waiter_or_overfills_a_slot(
+        max_streams: int, ops: List[Any]) -> None:
+    """With usage reports (kept or evicted contexts) and gap parks among the operations: holders
+    never exceed maxStreams, every pending acquire waits exactly once, a free slot never
+    coexists with a waiter, nor does a holder parked without ``gap``; a grant out of tier-then-FIFO
+    order goes only to a child, in the hand-over of a holder parked for a tool call."""
+    s = sched(maxStreams=max_streams)
+    pending: Dict[str, set] = {}
+    held: set = set()
+    tier: Dict[str, str] = {}
+    enq: Dict[str, int] = {}
+    order = 0
+    now = T0
+    parked: Dict[str, bool] = {}  # holder -> parked in a gap
+    for op in ops:
+        now += 1
+        if op[0] == "wait":
+            now += op[1]
+            continue
+        if op[0] == "usage":
+            s.usage(K, op[1], 10, 1000) if op[2] else s.usage(K, op[1], 1000, 0)
+            continue
+        if op[0] == "park":
+            still, events = s.park(K, op[1], now=now, gap=op[2])
+            if op[1] in held:
+                parked[op[1]] = op[2]
+            else:
+                assert (still, events) == (False, [])
+        elif op[0] == "beat":
+            assert s.beat(K, op[1], now=now) == (op[1] in held)
+            parked.pop(op[1], None)
+            events = []
+        elif op[0] == "acquire":
+            _, conn, session, role = op
+            events = s.acquire(conn, K, session, role, now=now)
+            parked.pop(session, None)
+            if session not in held:
+                if session not in pending:
+                    order += 1
+                    enq[session] = order
+                    tier[session] = role
+                pending.setdefault(session, set()).add(conn)
+        elif op[0] == "release":
+            events = s.release(K, op[1], now=now)
+        elif op[0] == "cancel":
+            events = s.cancel(K, op[1], now=now)
+            pending.pop(op[1], None)
+        else:
+            events = s.disconnect(op[1], now=now)
+            for session in list(pending):
+                pending[session].discard(op[1])
+                if not pending[session]:
+                    del pending[session]
+        gap_yield = any(isinstance(e, lq.Released) and e.reason == "parked" and e.holder.gap for e in events)
+        for e in events:
+            if isinstance(e, (lq.Released, lq.Evicted)):
+                held.discard(e.holder.session)
+                parked.pop(e.holder.session, None)
+        for g in [e for e in events if isinstance(e, lq.Granted) and e.new]:
+            session = g.holder.session
+            if g.switch:
+                best = min(pending, key=lambda x: (lq.ROLES.index(tier[x]), enq[x]))
+                assert session == best or gap_yield and tier[session] == "child", (session, best, pending)
+            assert session not in held
+            held.add(session)
+            pending.pop(session, None)
+        (q,) = s.status(now=now) or [{"holders": [], "waiting": []}]
+        hs = [h["sessionKey"] for h in q["holders"]]
+        ws = [w["sessionKey"] for w in q["waiting"]]
+        assert len(hs) <= max_streams and set(hs) == held
+        assert sorted(ws) == sorted(pending) and len(ws) == len(set(ws))
+        assert not (ws and len(hs) < max_streams)
+        assert not (ws and any(not gap for gap in parked.values())), (ws, parked)
