@@ -964,7 +964,7 @@ class Usage(NamedTuple):
 
 
 def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional[Sequence[str]] = None,
-                depths: Optional[Sequence[int]] = None) -> str:
+                depths: Optional[Sequence[int]] = None, contexts: Optional[int] = None) -> str:
     """What a switch costs on a queue: its ``switchCost`` setting, or (``auto``) learned from the
     share of their context that sessions back on the slot after another found kept (the server's
     own counts): ``cheap`` when each of the most recent ``KEPT_SAMPLES`` kept at least
@@ -979,7 +979,9 @@ def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional
     ``depths`` (each return's depth, in turn; without it every return is at depth 1): an
     eviction deeper than 1 (after two or more other sessions) is no dear switch, since one other
     session did not evict it; it bounds how many contexts the server keeps
-    (``learned_contexts``), and with that bound switches stay cheap."""
+    (``learned_contexts``, or ``contexts`` as known), and with that bound switches stay cheap,
+    one session's kept return being enough then: the bound is what a second session would have
+    shown."""
     if setting != "auto":
         return setting
     recent = list(kept)[-KEPT_SAMPLES:]
@@ -990,7 +992,9 @@ def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional
         return "dear"
     back = list(sessions)[-KEPT_SAMPLES:] if sessions is not None else [str(i) for i in range(len(recent))]
     who = len({s for s, k in zip(back[-len(recent):], recent) if k >= KEPT_CHEAP})
-    return "cheap" if who >= 2 else "unknown"
+    if contexts is None:
+        contexts = learned_contexts(recent, deep)
+    return "cheap" if who >= 2 or who and contexts is not None and contexts >= 2 else "unknown"
 
 
 def learned_contexts(kept: Sequence[float], depths: Sequence[int], contexts: Optional[int] = None) -> Optional[int]:
@@ -1067,7 +1071,7 @@ class _Affinity:
         return list(itertools.islice(reversed(self.prompts), room))
 
     def cost(self, setting: str = "auto") -> str:
-        return switch_cost(self.kept, setting, self.back, self.depths)
+        return switch_cost(self.kept, setting, self.back, self.depths, self.contexts)
 
     def saved(self) -> list[float]:
         """The returns a later daemon starts from (it cannot tell who came back): all of them
@@ -1956,8 +1960,9 @@ class Scheduler:
         while q.waiting and q.parked:
             nxt = self._pick(q, now)
             to_parent = nxt is not None and nxt.role == PARENT  # a handback holder yields to it
-            # whom a holder parked in a tool-call gap gives its slot to (None: it keeps it)
-            gap_target = self._gap_target(q, nxt, now) if any(h.gap for h in q.parked) else nxt
+            # whom a holder between two requests (parked for a tool call, or in a handback gap)
+            # gives its slot to, where the contexts kept are bounded (None: it keeps it)
+            gap_target = self._gap_target(q, nxt, now)
             if cost is None and any(h.handback for h in q.parked):
                 affinity = self._affinity.get(q.key)
                 cost = affinity.cost(q.policy.switch_cost) if affinity else switch_cost((), q.policy.switch_cost)
@@ -1974,13 +1979,14 @@ class Scheduler:
                 finds_out = cost == "unknown" and nxt is not None and (
                     probe and (not first or now - h.granted_at >= PARENT_SHARE_MS) or nxt.session == prober)
                 if not to_parent and not h.spare:  # a spare stream only goes to a parent anyway
-                    return h.role == CHILD and finds_out  # a child's slot to a child: only to find out
+                    # a child's slot to a child: only to find out, and evicting no context in use
+                    return h.role == CHILD and finds_out and gap_target is not None
                 return h.role == CHILD or cost == "cheap" or finds_out
 
             holder = next((h for h in q.parked if gives_way(h) and q.frees_for_waiter(h)), None)
             if holder is None:
                 break
-            target = gap_target if holder.gap else nxt
+            target = gap_target if holder.gap or not holder.parked and not to_parent else nxt
             if holder.gap or not holder.parked:  # between two requests: its context is in use meanwhile
                 q.went_away(holder.session, now)
             else:
@@ -2016,7 +2022,7 @@ class Scheduler:
         if nxt is None or nxt.role != CHILD or q.policy.switch_cost != "auto":
             return nxt
         affinity = self._affinity.get(q.key)
-        if affinity is None or affinity.contexts is None or affinity.contexts < 2 or affinity.cost() != "cheap":
+        if affinity is None or affinity.contexts is None or affinity.contexts < 2 or affinity.cost() == "dear":
             return nxt
         if q.policy.aging_after_ms > 0 and now - nxt.enqueued_at >= q.policy.aging_after_ms:
             return nxt

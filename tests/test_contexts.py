@@ -83,6 +83,10 @@ def test_core_an_eviction_after_two_others_bounds_the_contexts_and_switches_stay
     assert lq.learned_contexts([0.0, 0.0], [3, 2]) == 2
     assert lq.learned_contexts([0.0, 1.0], [2, 2]) == 3  # kept after two others, later: the later wins
     assert lq.learned_contexts([1.0], [1], 2) == 2  # a kept return within the bound changes nothing
+    # with the bound known, one session's kept return is enough: the bound is what a second one shows
+    assert lq.switch_cost([1.0, 0.0], "auto", ["A", "B"], [1, 2]) == "cheap"
+    assert lq.switch_cost([1.0, 1.0], "auto", ["A", "A"], [1, 1], 2) == "cheap"
+    assert lq.switch_cost([1.0, 1.0], "auto", ["A", "A"], [1, 1]) == "unknown"
 
 
 def test_core_the_depth_of_each_return_goes_with_its_usage_and_the_bound_shows_in_status() -> None:
@@ -131,6 +135,19 @@ def test_core_a_context_given_up_in_a_gap_is_in_use_only_as_long_as_the_queues_t
     later = T0 + 10 + lq.GRACE_MS + 1
     events = s.acquire("d", K, "D", "child", now=later)  # any event of the queue looks again
     assert granted(events) == ["B"]
+
+
+def test_core_a_probe_in_a_handback_gap_evicts_no_context_in_use_either() -> None:
+    s = sched()
+    for who in "ABCA":  # A came back after B and C to an evicted context: two fit, nothing kept yet
+        s.usage(K, who, 1000, 0)
+    assert affinity(s)["switchCost"] == "unknown" and affinity(s)["contexts"] == 2
+    s.acquire("a", K, "A", "child", now=T0)
+    s.acquire("b", K, "B", "child", now=T0)  # first in line: its run would evict C's context
+    s.acquire("c", K, "C", "child", now=T0 + 1)
+    held, events = s.handback(K, "A", now=T0 + 10)  # a probe, to find out: to C, whose context is kept
+    assert not held and granted(events) == ["C"]
+    assert [e.reason for e in events if isinstance(e, lq.Released)] == ["handback"]
 
 
 def test_core_a_park_that_is_no_gap_and_any_park_where_no_bound_is_known_goes_to_the_next_waiter() -> None:
