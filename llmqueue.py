@@ -1279,6 +1279,8 @@ class Scheduler:
         self._held = 0  # live holders, to keep the lazy heaps compact
         self._ttl_heap: list[tuple[float, int, Holder]] = []
         self._idle_heap: list[tuple[float, int, Holder]] = []
+        # when a queue whose holder kept its slot in a tool-call gap may hand it over after all
+        self._gap_heap: list[tuple[float, int, _Queue]] = []
         self._idle_due: set[_Queue] = set()  # queues with idle holders that just got a waiter
         self._tick = 0  # heap tie-breaker, and a version: it moves whenever a deadline may have
 
@@ -1565,19 +1567,23 @@ class Scheduler:
     @property
     def deadline_version(self) -> tuple[int, int, int]:
         """Changes whenever ``next_deadline`` may have: the caller re-asks only then."""
-        return (self._tick, len(self._idle_due), len(self._ttl_heap) + len(self._idle_heap))
+        return (self._tick, len(self._idle_due), len(self._ttl_heap) + len(self._idle_heap) + len(self._gap_heap))
 
     def next_deadline(self) -> Optional[float]:
         """The earliest ``now`` at which ``sweep`` may have work, or None when it has none."""
         if self._idle_due:
             return float("-inf")
         times = [h[0][0] for h in (self._ttl_heap, self._idle_heap) if h]
+        if self._gap_heap:
+            times.append(self._gap_heap[0][0])
         return min(times) if times else None
 
     def sweep(self, *, now: float) -> list[Event]:
         """Two passes.  TTL eviction, unconditional: a lapsed lease is a dead client.  Idle
         yield, gated: an activity-flagged holder silent past its window loses the slot, but only
-        to a waiter.  Cost follows what is due, not how many leases exist."""
+        to a waiter.  Cost follows what is due, not how many leases exist.  And a queue whose
+        holder kept its slot in a tool-call gap for a context in use looks again once that
+        context is done with (``_recheck_gap``)."""
         events: list[Event] = []
         touched: list[_Queue] = []
         heap = self._ttl_heap
@@ -1606,6 +1612,12 @@ class Scheduler:
                 continue
             holder.queue.idle[holder] = None
             self._idle_due.add(holder.queue)
+        gaps = self._gap_heap
+        while gaps and gaps[0][0] <= now:
+            _, _, q = heapq.heappop(gaps)
+            if q.waiting and q.parked and self._queues.get(q.key) is q:
+                self._refill(q, now, events)  # a context it was kept for may be done with now
+                touched.append(q)
         for q in sorted(self._idle_due, key=lambda q: q.key):
             while q.waiting and q.idle:
                 # a spare stream's idle holder yields only to a parent that can take the stream
@@ -1985,8 +1997,14 @@ class Scheduler:
 
             holder = next((h for h in q.parked if gives_way(h) and q.frees_for_waiter(h)), None)
             if holder is None:
+                if gap_target is None:  # kept for a context in use: look again when it is done with
+                    self._recheck_gap(q, now)
                 break
-            target = gap_target if holder.gap or not holder.parked and not to_parent else nxt
+            if holder.gap or not holder.parked and not to_parent:
+                target = gap_target
+            else:  # a park for good: never kept, but a waiter whose context is kept goes first
+                target = self._gap_target(q, nxt, now, done=holder.session) if holder.parked else nxt
+                target = target or nxt
             if holder.gap or not holder.parked:  # between two requests: its context is in use meanwhile
                 q.went_away(holder.session, now)
             else:
@@ -2011,14 +2029,39 @@ class Scheduler:
                 self._grant_waiter(q, target, now, events)  # a waiter whose context is kept goes first
             self._fill(q, now, events)
 
-    def _gap_target(self, q: _Queue, nxt: Optional[Waiter], now: float) -> Optional[Waiter]:
+    def _recheck_gap(self, q: _Queue, now: float) -> None:
+        """A holder between two requests kept its slot from a waiter whose run would evict the
+        context of a session that gave way in a tool-call gap: that one is in use only so long
+        (``_Queue.in_use``), so the sweep looks again then.  (A holder or a waiter in use gives
+        an event of its own when that changes.)"""
+        affinity = self._affinity.get(q.key)
+        resident = affinity.resident() if affinity is not None else []
+        since = q.away.get(resident[-1]) if resident else None
+        if since is None:
+            return
+        when = since + q.tool_call_ms() + 1.0
+        if when <= now:  # pragma: no cover - an away context past its time is in use no longer
+            return
+        self._tick += 1
+        heapq.heappush(self._gap_heap, (when, self._tick, q))
+        if len(self._gap_heap) > 2 * len(self._queues) + 64:  # one entry per queue is enough: the latest
+            latest: dict[int, tuple[float, int, _Queue]] = {}
+            for entry in self._gap_heap:
+                latest[id(entry[2])] = max(latest.get(id(entry[2]), entry), entry)
+            self._gap_heap[:] = list(latest.values())
+            heapq.heapify(self._gap_heap)
+
+    def _gap_target(self, q: _Queue, nxt: Optional[Waiter], now: float,
+                    done: Optional[str] = None) -> Optional[Waiter]:
         """Whom a holder parked in a tool-call gap gives its slot to: ``nxt``, the waiter the queue
         would grant, unless the queue learned that switches are cheap only because the server
         keeps the contexts of so many sessions (``_Affinity.contexts``: a return was evicted after
         two or more others ran), and ``nxt``'s run would push out the context of one still in
         use (``_Queue.in_use``).  A waiting child whose context is kept then goes instead, the
         one that waited longest; with none, the holder keeps its slot, as where switches are
-        dear.  A parent, and a child aged past ``agingAfterMs``, goes first whatever it costs."""
+        dear.  A parent, and a child aged past ``agingAfterMs``, goes first whatever it costs.
+        ``done``: a session whose context counts as no longer in use (a holder that parked for
+        good: its run settled, or it waits on other agents)."""
         if nxt is None or nxt.role != CHILD or q.policy.switch_cost != "auto":
             return nxt
         affinity = self._affinity.get(q.key)
@@ -2027,7 +2070,8 @@ class Scheduler:
         if q.policy.aging_after_ms > 0 and now - nxt.enqueued_at >= q.policy.aging_after_ms:
             return nxt
         resident = affinity.resident()  # the latest first
-        if nxt.session in resident or len(resident) < affinity.contexts or not q.in_use(resident[-1], now):
+        if (nxt.session in resident or len(resident) < affinity.contexts or resident[-1] == done
+                or not q.in_use(resident[-1], now)):
             return nxt  # its context is kept, or there is room for it, or it evicts one done with
         kept = [w for w in (q.waiting.get(s) for s in resident) if w is not None and w.role == CHILD]
         return min(kept, key=lambda w: w.seq) if kept else None

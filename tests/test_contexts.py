@@ -137,6 +137,19 @@ def test_core_a_context_given_up_in_a_gap_is_in_use_only_as_long_as_the_queues_t
     assert granted(events) == ["B"]
 
 
+def test_core_the_sweep_looks_again_once_the_context_a_gap_was_kept_for_is_done_with() -> None:
+    s = taught()
+    s.acquire("c", K, "C", "child", now=T0)
+    s.acquire("a", K, "A", "child", now=T0)
+    assert granted(s.park(K, "C", now=T0 + 10, gap=True)[1]) == ["A"]
+    s.acquire("b", K, "B", "child", now=T0 + 20)
+    assert s.park(K, "A", now=T0 + 30, gap=True) == (True, [])
+    due = s.next_deadline()
+    assert due is not None and T0 + 10 + lq.GRACE_MS < due <= T0 + 10 + lq.GRACE_MS + 2
+    assert granted(s.sweep(now=due - 2)) == []
+    assert granted(s.sweep(now=due)) == ["B"]
+
+
 def test_core_a_probe_in_a_handback_gap_evicts_no_context_in_use_either() -> None:
     s = sched()
     for who in "ABCA":  # A came back after B and C to an evicted context: two fit, nothing kept yet
@@ -150,13 +163,23 @@ def test_core_a_probe_in_a_handback_gap_evicts_no_context_in_use_either() -> Non
     assert [e.reason for e in events if isinstance(e, lq.Released)] == ["handback"]
 
 
-def test_core_a_park_that_is_no_gap_and_any_park_where_no_bound_is_known_goes_to_the_next_waiter() -> None:
+def test_core_a_park_for_good_is_never_kept_but_a_waiter_whose_context_is_kept_goes_first() -> None:
     s = taught()
     s.acquire("a", K, "A", "child", now=T0)
     s.acquire("b", K, "B", "child", now=T0)
     s.acquire("c", K, "C", "child", now=T0 + 1)
-    held, events = s.park(K, "A", now=T0 + 10)  # a blocking tool: it waits on other agents
+    held, events = s.park(K, "A", now=T0 + 10)  # its run settled (or it waits on other agents)
+    assert not held and granted(events) == ["C"]  # B's run would have evicted C's context
+    s = taught()
+    s.acquire("c", K, "C", "child", now=T0)
+    s.acquire("a", K, "A", "child", now=T0)
+    assert granted(s.park(K, "C", now=T0 + 10, gap=True)[1]) == ["A"]  # C in its tool call
+    s.acquire("b", K, "B", "child", now=T0 + 20)
+    held, events = s.park(K, "A", now=T0 + 30)  # B would evict C's, and no waiter's is kept: B all the same
     assert not held and granted(events) == ["B"]
+
+
+def test_core_any_park_where_no_bound_is_known_goes_to_the_next_waiter() -> None:
     s = sched()
     for who, prefilled, reused in LESSON[:4] + (("C", 1000, 0),):  # cheap, nothing evicted yet
         s.usage(K, who, prefilled, reused)
@@ -280,24 +303,26 @@ def test_a_sessions_own_gap_park_says_gap_and_keeps_the_rotation_among_the_conte
 
 
 def test_a_blocking_lease_says_gap_only_when_asked() -> None:
-    for d in started(config={"defaults": {"agingAfterMs": 0, "agingAfterSlots": 0}}):
-        with client_of(d) as client:
-            client.status()  # connected: a usage report goes out only then
-            for who, prefilled, reused in LESSON:
-                client.usage(K, who, prefilled, reused)
-            for gap, goes in ((False, "B"), (True, "C")):
-                lease = client.acquire(K, "A", "child", activity=True)
+    for gap, holds in ((True, ["A"]), (False, ["B"])):
+        for d in started(config={"defaults": {"agingAfterMs": 0, "agingAfterSlots": 0}}):
+            with client_of(d) as client:
+                client.status()
+                for who, prefilled, reused in LESSON:
+                    client.usage(K, who, prefilled, reused)
                 b, c = d.peer(), d.peer()
+                assert c.ask({"op": "acquire", "queueKey": K, "sessionKey": "C", "role": "child"})["op"] == "granted"
+                wait_for(lambda: d.queue(K).get("affinity", {}).get("contexts") == 2)
+                c.ask({"op": "renew", "queueKey": K, "sessionKey": "C", "parked": True, "gap": True})
+                lease = client.acquire(K, "A", "child", activity=True)  # C's gap: A's context is kept
                 b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "child"})
                 wait_for(lambda: d.waiting(K) == ["B"])
-                c.send({"op": "acquire", "queueKey": K, "sessionKey": "C", "role": "child"})
-                wait_for(lambda: d.waiting(K) == ["B", "C"])
                 with lease.blocking(gap=gap):
-                    wait_for(lambda: goes in d.holders(K), timeout=SOON + 1)
+                    # for a tool call: kept, since B's run would evict C's context; for good: B's
+                    wait_for(lambda: d.queue(K)["parkYields"] == 1 + (not gap) and d.holders(K) == holds,
+                             timeout=SOON + 1)
+                    time.sleep(0.3)
+                    assert d.holders(K) == holds
                 lease.release()
-                b.close()
-                c.close()
-                wait_for(lambda: d.holders(K) == [] and d.waiting(K) == [])
 
 
 # -- the pure core, whatever happens ----------------------------------------------------------------
