@@ -57,6 +57,18 @@ def taught(**defaults: Any) -> lq.Scheduler:
     return s
 
 
+def kept_for_c(**defaults: Any) -> lq.Scheduler:
+    """The lesson's queue: C gave its slot to A in a tool-call gap (A's context is kept), then B
+    queued, and A's own gap kept the slot, since B's run would evict C's context."""
+    s = taught(**defaults)
+    s.acquire("c", K, "C", "child", now=T0)
+    s.acquire("a", K, "A", "child", now=T0)
+    assert granted(s.park(K, "C", now=T0 + 10, gap=True)[1]) == ["A"]
+    s.acquire("b", K, "B", "child", now=T0 + 20)
+    assert s.park(K, "A", now=T0 + 30, gap=True) == (True, [])
+    return s
+
+
 def granted(events: List[lq.Event]) -> List[str]:
     return [e.holder.session for e in events if isinstance(e, lq.Granted)]
 
@@ -125,12 +137,7 @@ def test_core_a_gap_park_keeps_the_slot_while_the_only_waiter_would_evict_a_cont
 
 
 def test_core_a_context_given_up_in_a_gap_is_in_use_only_as_long_as_the_queues_tool_calls_take() -> None:
-    s = taught()
-    s.acquire("c", K, "C", "child", now=T0)
-    s.acquire("a", K, "A", "child", now=T0)
-    assert granted(s.park(K, "C", now=T0 + 10, gap=True)[1]) == ["A"]
-    s.acquire("b", K, "B", "child", now=T0 + 20)
-    assert s.park(K, "A", now=T0 + 30, gap=True) == (True, [])
+    s = kept_for_c()
     # no tool call is known on the queue: C's counts as in use for the grace, then as done with
     later = T0 + 10 + lq.GRACE_MS + 1
     events = s.acquire("d", K, "D", "child", now=later)  # any event of the queue looks again
@@ -138,12 +145,7 @@ def test_core_a_context_given_up_in_a_gap_is_in_use_only_as_long_as_the_queues_t
 
 
 def test_core_the_sweep_looks_again_once_the_context_a_gap_was_kept_for_is_done_with() -> None:
-    s = taught()
-    s.acquire("c", K, "C", "child", now=T0)
-    s.acquire("a", K, "A", "child", now=T0)
-    assert granted(s.park(K, "C", now=T0 + 10, gap=True)[1]) == ["A"]
-    s.acquire("b", K, "B", "child", now=T0 + 20)
-    assert s.park(K, "A", now=T0 + 30, gap=True) == (True, [])
+    s = kept_for_c()
     due = s.next_deadline()
     assert due is not None and T0 + 10 + lq.GRACE_MS < due <= T0 + 10 + lq.GRACE_MS + 2
     assert granted(s.sweep(now=due - 2)) == []
@@ -205,12 +207,7 @@ def test_core_where_switches_are_dear_a_gap_park_still_goes_to_the_next_waiter()
 
 def test_core_a_parent_and_an_aged_child_go_first_whatever_their_run_evicts() -> None:
     for last in ("parent", "aged"):
-        s = taught(agingAfterMs=500)
-        s.acquire("c", K, "C", "child", now=T0)
-        s.acquire("a", K, "A", "child", now=T0)
-        assert granted(s.park(K, "C", now=T0 + 10, gap=True)[1]) == ["A"]
-        s.acquire("b", K, "B", "child", now=T0 + 20)
-        assert s.park(K, "A", now=T0 + 30, gap=True) == (True, [])
+        s = kept_for_c(agingAfterMs=500)
         if last == "parent":
             assert granted(s.acquire("p", K, "P", "parent", now=T0 + 40)) == ["P"]
         else:  # B has waited its agingAfterMs
