@@ -1006,7 +1006,7 @@ def learned_contexts(kept: Sequence[float], depths: Sequence[int], contexts: Opt
         if share < KEPT_CHEAP:
             contexts = depth if contexts is None else min(contexts, depth)
         elif contexts is not None and contexts <= depth:
-            contexts = depth + 1
+            contexts = min(MAX_DEPTH, depth + 1)
     return contexts
 
 
@@ -1035,11 +1035,12 @@ class _Affinity:
         self.probed_at = 0.0
         self.prober: Optional[str] = None  # the session that gave way then: its return tells
 
-    def report(self, session: str, prefilled: int, reused: int) -> tuple[Optional[float], int]:
+    def report(self, session: str, prefilled: int, reused: int,
+               one_slot: bool = True) -> tuple[Optional[float], int]:
         """One request's counts; the share of its previous prompt it found kept, when another
         session reported in between (it came back after a switch), else None; and how many other
         sessions reported since its own last report (its depth)."""
-        depth = self.depth(session)
+        depth = self.depth(session) if one_slot else 1
         before = self.prompts.pop(session, None)
         kept = None
         if before and self.last is not None and self.last != session:
@@ -1420,8 +1421,12 @@ class Scheduler:
         while len(self._tokens) > 4096:
             self._tokens.popitem(last=False)
         affinity = self._affinity_of(resolved)
-        kept, depth = affinity.report(session, prefilled, reused)
-        setting = q.policy.switch_cost if q else self.addressing.address_endpoint(key)[1].switch_cost
+        # on a queue of more than one stream, the sessions in between need not have used this
+        # session's slot: an eviction there tells no bound, and counts as after one other
+        policy = q.policy if q else self.addressing.address_endpoint(key)[1]
+        one_slot = policy.max_streams == 1 and not (q and q.spares)
+        kept, depth = affinity.report(session, prefilled, reused, one_slot)
+        setting = policy.switch_cost
         return Usage(resolved, session, prefilled, reused, holder.seq if holder else None, kept,
                      affinity.cost(setting), depth if kept is not None else None)
 
@@ -2062,7 +2067,8 @@ class Scheduler:
         dear.  A parent, and a child aged past ``agingAfterMs``, goes first whatever it costs.
         ``done``: a session whose context counts as no longer in use (a holder that parked for
         good: its run settled, or it waits on other agents)."""
-        if nxt is None or nxt.role != CHILD or q.policy.switch_cost != "auto":
+        if (nxt is None or nxt.role != CHILD or q.policy.switch_cost != "auto" or q.policy.policy == "fifo"
+                or q.head(PARENT) is not None):  # a parent waits: it, or a child aged past it, goes
             return nxt
         affinity = self._affinity.get(q.key)
         if affinity is None or affinity.contexts is None or affinity.contexts < 2 or affinity.cost() == "dear":
@@ -3244,6 +3250,7 @@ class Lease:
         self.released = False
         self._blocking = 0
         self._gap_blocking = 0  # of them, the pauses for a tool call between two requests
+        self._parked_gap = False  # the daemon was told the pause is a tool call's (``gap``)
         self._next_beat = 0.0
         self._parked = False  # the daemon was told this pause (a parked beat went out)
         self._parent_waiting = False  # the last beat reply said a parent waits for this child's slot
@@ -4019,10 +4026,11 @@ class Client:
                     active = [lease for lease in held if not lease._blocking]
                     if not active:  # every user of the slot waits on another agent: parked
                         paused_period = period if paused_period is None else min(paused_period, period)
-                        if not held[0]._parked and any(lease.activity for lease in held):
-                            for lease in held:
-                                lease._parked = True
-                            gap = all(lease._gap_blocking == lease._blocking for lease in held)
+                        gap = all(lease._gap_blocking == lease._blocking for lease in held)
+                        if ((not held[0]._parked or held[0]._parked_gap != gap)
+                                and any(lease.activity for lease in held)):
+                            for lease in held:  # a park, or the same park for another reason
+                                lease._parked, lease._parked_gap = True, gap
                             actions.append(self._beat_action(held[0], parked=True, gap=gap))
                         continue
                     for lease in held:
