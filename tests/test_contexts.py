@@ -330,6 +330,24 @@ def test_a_blocking_lease_says_gap_only_when_asked() -> None:
                 lease.release()
 
 
+def test_a_gap_park_that_becomes_a_park_for_good_is_sent_again() -> None:
+    """A lease parked for a tool call (kept: B's run would evict C's context) that then blocks on
+    another agent as well is parked for good: the client says so again, and B is granted."""
+    for d in started(config={"defaults": {"agingAfterMs": 0, "agingAfterSlots": 0}}):
+        held_for_c(d)
+        with client_of(d) as client:
+            lease = client.acquire(K, "A", "child", activity=True)
+            b = d.peer()
+            b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "child"})
+            wait_for(lambda: d.waiting(K) == ["B"])
+            with lease.blocking(gap=True):
+                assert b.silent(0.5) and d.holders(K) == ["A"]  # parked, and kept for C
+                with lease.blocking():  # now it waits on another agent too: for good
+                    assert b.recv(SOON + 1)["op"] == "granted"
+                    assert d.holders(K) == ["B"]
+            lease.release()
+
+
 # -- the pure core, whatever happens ----------------------------------------------------------------
 
 SESSIONS = ["s0", "s1", "s2", "s3", "s4"]
