@@ -119,13 +119,14 @@ GRACE_MS = 3000  # spec: a client releases this long after its run settles
 PARENT_HANDBACK_MS = 250
 # Between two of its requests, a holder's slot goes to a waiting parent where switches are cheap
 # (two agents with nothing named, both parents, take turns instead of one waiting out the other's
-# whole run).  While the queue does not know yet what a switch costs, a holder gives way in a gap
-# to find it out (a probe, to a parent or to a child): the first time once it has held the slot
-# this long since its grant (a short run is not split to ask, and a long one is where the answer
-# pays), and at its next gap once a session came back and found its context kept (so far the
-# answer looks cheap).  The one that gave way queues again ahead of its tier and is given the slot
-# back at the next gap, whoever holds it, so its return shows what the server kept.
-PARENT_SHARE_MS = 2000
+# whole run).  While the queue does not know yet what a switch costs, a holder gives way at its
+# first gap to find it out (a probe, to a parent or to a child), one probe at a time.  The one that
+# gave way queues again ahead of its tier and is given the slot back at the next gap, whoever
+# holds it, so its return shows what the server kept.  There is no share to hold first: measured
+# on a real llama-server, a first holder that kept the slot 2 s before it asked idled 12-29% of a
+# run whose contexts all fit (1.3x llama.cpp alone), and where only two of four fit, asking at the
+# first gap finished sooner too (0.69-0.76x against 0.72-0.93x), at the price of the re-prefills
+# that show the bound (see ``_Affinity.contexts``).
 # One probe at a time: the next waits until a session has come back (and said what it found
 # kept), or this long, since the one that gave way may not come back.  One that has not queued
 # again is waited for only as long as the queue's tool calls take (its holders' recent gaps, as
@@ -1971,7 +1972,6 @@ class Scheduler:
         self._fill(q, now, events)
         cost: Optional[str] = None
         probe = False  # while the cost is unknown: no hand-over since the last one waits for a return
-        first = True  # nobody came back yet: the first probe waits for the holder's share
         awaited: Optional[str] = None  # the one that gave way last, its return come or not
         prober: Optional[str] = None  # the session that gave way last, while its return is awaited
         while q.waiting and q.parked:
@@ -1984,17 +1984,14 @@ class Scheduler:
                 affinity = self._affinity.get(q.key)
                 cost = affinity.cost(q.policy.switch_cost) if affinity else switch_cost((), q.policy.switch_cost)
                 probe, prober = self._probe(q, affinity, now)
-                first = affinity is None or not affinity.kept
                 awaited = affinity.prober if affinity is not None else None  # answered or not
 
             def gives_way(h: Holder) -> bool:
                 if h.parked:
                     return not h.gap or gap_target is not None
-                # while the cost is unknown: a probe (one at a time; the first after the holder's
-                # share), or the slot back at once to the one that gave way last, whose return is
-                # awaited
-                finds_out = cost == "unknown" and nxt is not None and (
-                    probe and (not first or now - h.granted_at >= PARENT_SHARE_MS) or nxt.session == prober)
+                # while the cost is unknown: a probe (one at a time), or the slot back at once to
+                # the one that gave way last, whose return is awaited
+                finds_out = cost == "unknown" and nxt is not None and (probe or nxt.session == prober)
                 if not to_parent and not h.spare:  # a spare stream only goes to a parent anyway
                     # a child's slot to a child: only to find out, and evicting no context in use
                     return h.role == CHILD and finds_out and gap_target is not None

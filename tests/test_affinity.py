@@ -257,13 +257,18 @@ def test_a_proxy_session_holding_after_a_response_hands_over_once_the_queue_lear
             proxy = lq.Proxy("http://127.0.0.1:9", client=client, listen=("127.0.0.1", 0), grace_ms=4000)
             threading.Thread(target=proxy.serve_forever, args=(0.02,), daemon=True).start()
             try:
+                # dear so far (an unknown cost would give the slot to W at once, to find out)
+                teach(client, kept=False, key=proxy.queue_key)
                 proxy.begin("sub", "child")
                 w = d.peer()
                 w.send({"op": "acquire", "queueKey": proxy.queue_key, "sessionKey": "W", "role": "child"})
                 wait_for(lambda: d.waiting(proxy.queue_key) == ["W"])
-                proxy.end("sub", ok=True, ending="tool")  # a tool call: held through the grace, cost unknown
+                proxy.end("sub", ok=True, ending="tool")  # a tool call: held through the grace
                 assert w.silent(0.3)
-                teach(client, kept=True, key=proxy.queue_key)
+                for _ in range(2):  # four returns in a row that found their contexts kept: cheap
+                    client.usage(proxy.queue_key, "teach-A", 10, 1000)
+                    client.usage(proxy.queue_key, "teach-B", 10, 1000)
+                wait_for(lambda: client.switch_cost(proxy.queue_key) == "cheap")
                 told = time.monotonic()
                 assert w.recv(SOON)["op"] == "granted" and time.monotonic() - told < SOON
             finally:

@@ -5,9 +5,17 @@ The *pressure* workload: one slot, and a host cache that holds about one more ag
 that the slot and the host cache together hold about two of the four agents' contexts.  Pinned:
 - without the queue, the subagents' requests interleave at the server and evict each other: the
   server prefills at least 2x the oracle (what a server that never evicts would prefill);
-- through the queue (``Client`` sessions, and the proxy with named sessions) each subagent holds
-  the slot for its whole run: at most 1.3x the oracle, and no two requests are ever in the server
-  at once (its own waiting line included).
+- through the queue no two requests are ever in the server at once (its own waiting line
+  included);
+- where switches are known to re-prefill (``switchCost: dear``), each subagent holds the slot
+  through its tool calls (``Client`` sessions, and the proxy with named sessions): at most 1.3x
+  the oracle;
+- on the default config a fresh queue does not know that yet.  Its first holder gives way at its
+  first tool call to find out, and the rotation shows how many contexts the server keeps (two),
+  at the price of re-prefills: still less than the server alone.  The next run on the same
+  queue rotates among that many: at most 1.5x the oracle.  (Holding the slot 2 s before the first
+  probe saved some of those re-prefills, but idled the slot for 12-29% of a run where every
+  context fit: seconds matter more than tokens, and the bound is learned once.)
 ``Client`` sessions run on the default config and the default 3 s grace: a parent parked on its
 subagents hands its slot over at once, and a settled subagent hands over to the next at once, so
 the slot held while someone waited and nothing streamed (dead time, from the daemon's own event
@@ -64,8 +72,8 @@ def overlaps(sim: KVSim) -> int:
     return most
 
 
-def run_delegate(access: agents.Access) -> agents.RunResult:
-    result = agents.delegate(access, WORKLOAD, salt="zuzzuz")
+def run_delegate(access: agents.Access, salt: str = "zuzzuz") -> agents.RunResult:
+    result = agents.delegate(access, WORKLOAD, salt=salt)
     access.close()
     assert all(r.ok for r in result.records), [r.error for r in result.records if not r.ok]
     assert len(result.records) == WORKLOAD.parent_before + 1 + WORKLOAD.children * WORKLOAD.child_requests
@@ -85,13 +93,35 @@ def test_without_the_queue_the_pressure_workload_prefills_at_least_twice_the_ora
     assert sim.totals()["prompt_n"] == agents.figures(result, None)["prefill"]  # the server's own count
 
 
-def test_client_sessions_prefill_at_most_1_3x_the_oracle_and_never_overlap(sim: KVSim, daemon: DaemonProc) -> None:
+def client_run(sim: KVSim, daemon: DaemonProc, salt: str = "zuzzuz") -> agents.RunResult:
     client = lq.Client(daemon.agent_dir, autostart=False, fail_open=False)
     try:
-        result = run_delegate(agents.ClientAccess(sim.url, client))  # the default 3 s grace
+        return run_delegate(agents.ClientAccess(sim.url, client), salt)  # the default 3 s grace
     finally:
         client.close()
-    assert prefill_ratio(result) <= 1.3
+
+
+def test_where_switches_are_dear_client_sessions_prefill_at_most_1_3x_the_oracle(sim: KVSim) -> None:
+    for d in started(config={"defaults": {"switchCost": "dear"}}):
+        assert prefill_ratio(client_run(sim, d)) <= 1.3
+        assert overlaps(sim) == 1
+
+
+def test_a_fresh_queue_learns_how_many_contexts_fit_and_its_next_run_prefills_at_most_1_5x(
+        sim: KVSim, daemon: DaemonProc) -> None:
+    with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=0.05, decode_ms=0.3) as alone:
+        without = prefill_ratio(run_delegate(agents.Access(alone.url)))
+    first = prefill_ratio(client_run(sim, daemon))
+    assert first < without
+    (q,) = daemon.status()
+    assert q["affinity"]["contexts"] == 2  # the slot's, and the one more the host cache holds
+    second = prefill_ratio(client_run(sim, daemon, salt="another"))  # new conversations, the same queue
+    assert second <= 1.5
+    assert overlaps(sim) == 1
+
+
+def test_client_sessions_never_overlap_and_dead_time_is_under_a_second(sim: KVSim, daemon: DaemonProc) -> None:
+    result = client_run(sim, daemon)
     assert overlaps(sim) == 1
     with open(daemon.config_path) as f:
         log = json.load(f)["defaults"]["logFile"]
@@ -117,16 +147,17 @@ def run_delegate_through_proxy(sim: KVSim, daemon: DaemonProc, named: bool, grac
         client.close()
 
 
-def test_proxy_with_named_sessions_prefills_at_most_1_3x_the_oracle_and_never_overlaps(
-        sim: KVSim, daemon: DaemonProc) -> None:
-    result = run_delegate_through_proxy(sim, daemon, named=True, grace_ms=100)
-    assert prefill_ratio(result) <= 1.3
-    assert overlaps(sim) == 1
+def test_where_switches_are_dear_the_proxy_with_named_sessions_prefills_at_most_1_3x_the_oracle(sim: KVSim) -> None:
+    for d in started(config={"defaults": {"switchCost": "dear"}}):
+        result = run_delegate_through_proxy(sim, d, named=True, grace_ms=100)
+        assert prefill_ratio(result) <= 1.3
+        assert overlaps(sim) == 1
 
 
 def test_proxy_with_no_session_names_prefills_what_named_sessions_prefill(sim: KVSim, daemon: DaemonProc) -> None:
     """Issue 14: the agents name nothing; the proxy keys each by its conversation, and holds its
-    slot across its tool calls.  Named sessions prefill at most 1.3x the oracle (above)."""
+    slot across its tool calls: at most 1.3x the oracle on a fresh queue, as named sessions where
+    switches are dear (above)."""
     result = run_delegate_through_proxy(sim, daemon, named=False, grace_ms=1000)
     assert prefill_ratio(result) <= 1.3
     assert overlaps(sim) == 1

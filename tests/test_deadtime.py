@@ -120,7 +120,9 @@ def test_a_bad_busy_is_an_error_reply_that_changes_nothing(bad: Any) -> None:
 
 def test_client_sessions_say_busy_so_a_tool_gap_someone_waits_through_shows_in_status_report_and_svg() -> None:
     log = os.path.join(short_tmpdir(), "events.log")
-    for d in started(config={"defaults": {"logFile": log}}):
+    # switches re-prefill here (``dear``): sub1 keeps its slot through the tool call, and sub2
+    # waits through it (where the cost is unknown, sub1 would give way at its first gap to find out)
+    for d in started(config={"defaults": {"logFile": log, "switchCost": "dear"}}):
         with client_of(d) as client:
             s = client.session(K, "sub1", "child", grace_ms=1500)
             with s.run():

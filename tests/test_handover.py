@@ -263,7 +263,9 @@ def test_a_childs_beat_reply_says_a_parent_waits_and_resume_queues_it_ahead_of_o
 def test_a_parent_that_comes_during_a_childs_tool_call_gets_the_slot_at_once_and_the_child_is_next() -> None:
     # Between two requests the child's slot goes to a parent at once (the gap is its request
     # boundary); another child waiting keeps it no less than before (its tool-gap window).
-    for d in started():
+    # dear: sub1 keeps its slot from sub2 by its window (where the cost is unknown, its first gap
+    # gives sub2 the slot at once, to find out what a switch costs)
+    for d in started(config={"defaults": {"switchCost": "dear"}}):
         with client_of(d) as client:
             child = client.session(K, "sub1", "child", grace_ms=5000)
             with child.run():
@@ -402,7 +404,9 @@ def test_a_quick_second_run_in_the_grace_still_parks_when_it_settles() -> None:
 def test_a_long_tool_call_hands_the_slot_to_a_waiter_after_the_window_not_at_the_runs_end() -> None:
     # Between two requests of a run the slot is kept while nobody waits; while someone does, for
     # the whole grace until a gap is known, then for 1.5x the session's longest recent gap + 0.2 s.
-    for d in started():
+    # dear: sub1 keeps its slot from sub2 by its window (where the cost is unknown, its first gap
+    # gives sub2 the slot at once, to find out what a switch costs)
+    for d in started(config={"defaults": {"switchCost": "dear"}}):
         with client_of(d) as client:
             s = client.session(K, "sub1", "child", grace_ms=4000)
             with s.run():
@@ -428,7 +432,9 @@ def test_a_long_tool_call_hands_the_slot_to_a_waiter_after_the_window_not_at_the
 
 
 def test_before_its_first_gap_a_session_keeps_the_slot_for_the_grace_while_someone_waits() -> None:
-    for d in started():
+    # dear: sub1 keeps its slot from sub2 by its window (where the cost is unknown, its first gap
+    # gives sub2 the slot at once, to find out what a switch costs)
+    for d in started(config={"defaults": {"switchCost": "dear"}}):
         with client_of(d) as client:
             s = client.session(K, "sub1", "child", grace_ms=1500)
             with s.run():

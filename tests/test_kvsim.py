@@ -450,14 +450,16 @@ def spawn(target: Any, *args: Any) -> threading.Thread:
 def check_aftermath(sim: KVSim, failed: Dict[str, Any], waiter: Dict[str, Any], at_once: bool,
                     grace_ms: int) -> None:
     """The waiter was granted at once after the failure (or, pinned, once the failed parent
-    session's grace parks it: after the parent's handback window), streamed its whole reply,
-    and the simulator never saw two requests at a time."""
+    session's grace parks it: after the parent's handback window at most; at once here, since the
+    waiter is a parent too and the queue does not know yet what a switch costs, so the settled
+    parent gives way to find out), streamed its whole reply, and the simulator never saw two
+    requests at a time."""
     delay = waiter["start"] - failed["end"]
     if at_once:
         assert delay < FAST, f"the waiter started {delay:.2f}s after the failure"
     else:
         kept = min(grace_ms, lq.PARENT_HANDBACK_MS) / 1000
-        assert kept - 0.1 <= delay < kept + FAST, delay
+        assert delay < kept + FAST, delay  # nowhere near the grace
     assert waiter["status"] == 200 and waiter["predicted_n"] == 16 and not _failed(waiter)
     assert sim.max_overlap() == 1
 
@@ -479,8 +481,8 @@ def test_proxy_a_fault_frees_the_slot_for_the_queued_agent_and_loses_nothing(
     the fault; agent b waits behind it.  An error status, or a cut the proxy can see (chunked
     framing), lets a's slot go at once -- nowhere near the 30 s TTL or a's 5 s grace.  A clean
     close of a close-delimited body looks complete to the proxy: a's session settles as after
-    any response, keeping the slot for a parent's handback window (inside its 2 s grace),
-    and then b is granted."""
+    any response: b (a parent too) gets the slot within a parent's handback window, nowhere near
+    a's 2 s grace."""
     grace_ms = 5000 if at_once else 2000
     with KVSim(prefill_ms=0.05, decode_ms=0.2, chunked=chunked) as sim:
         key = sim.base  # the proxy's queue key: its upstream

@@ -168,22 +168,12 @@ def test_a_parent_named_by_its_path_keeps_its_handback_window(
 @pytest.mark.parametrize("finish", ["tool_calls", "length"])
 def test_a_waiting_parent_gets_the_slot_when_the_response_ends_whatever_it_said(
         stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy, finish: str) -> None:
-    # Two agents with nothing named: both parents.  The holder has held the slot past its share,
-    # and its window (the grace, for a tool call) would keep the other behind an idle slot for
-    # its tool call: it hands over at once.
-    waited = handover_after(stub, daemon, proxy, finish, waiter="/v1/chat/completions",
-                            held_s=lq.PARENT_SHARE_MS / 1000)
+    # Two agents with nothing named: both parents.  The holder's window (the grace, for a tool
+    # call) would keep the other behind an idle slot for its tool call: it hands over at once,
+    # however short its run so far (the switch cost is unknown: this is how the queue finds out).
+    waited = handover_after(stub, daemon, proxy, finish, waiter="/v1/chat/completions")
     assert waited < SOON
     assert daemon.queue(stub.base)["handbackYields"] == 1
-
-
-def test_a_short_run_keeps_its_window_from_a_waiting_parent_while_switch_costs_are_unknown(
-        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
-    # Held for less than its share: a switch might cost it a re-prefill, and the other waits
-    # little, so it keeps the grace a tool call gets.
-    waited = handover_after(stub, daemon, proxy, "tool_calls", waiter="/v1/chat/completions")
-    assert GRACE_MS / 1000 - 0.5 < waited < GRACE_MS / 1000 + 3
-    assert daemon.queue(stub.base)["handbackYields"] == 0
 
 
 def test_where_switches_are_dear_a_parent_keeps_its_window_from_a_waiting_parent_too(stub: StubEndpoint) -> None:
