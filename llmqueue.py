@@ -792,10 +792,11 @@ RESUME_AHEAD = 1 << 62
 MAX_QUEUES = 1024
 
 
-def _who_json(session: str, role: int, group: Optional[str], spare: bool = False) -> str:
+def _who_json(session: str, role: int, group: Optional[str], spare: bool = False, background: bool = False) -> str:
     """A holder's or waiter's entry in a status reply, encoded once (``spare``, additive: a
-    holder on a parent's spare stream)."""
-    tail = ',"spare":true' if spare else ""
+    holder on a parent's spare stream; ``background``, additive: a parent waiting with no
+    person behind it, ``Scheduler.acquire``)."""
+    tail = (',"spare":true' if spare else "") + (',"background":true' if background else "")
     return (f'{{"sessionKey":{_json_str(session)},"role":"{ROLES[role]}",'
             f'"group":{"null" if group is None else _json_str(group)}{tail}}}')
 
@@ -862,11 +863,11 @@ class Waiter:
 
     __slots__ = (
         "queue", "session", "role", "group", "activity", "seq", "key",
-        "enqueued_at", "parent_mark", "targets", "version", "live", "json", "spare",
+        "enqueued_at", "parent_mark", "targets", "version", "live", "json", "spare", "background",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
-                 seq: int, key: str, now: float, spare: bool = False) -> None:
+                 seq: int, key: str, now: float, spare: bool = False, background: bool = False) -> None:
         self.queue = queue
         self.session = session
         self.role = role
@@ -880,7 +881,10 @@ class Waiter:
         self.version = 0  # bumped on re-tier and on a move: heap entries of older versions are dead
         self.live = True
         self.spare = spare  # it asked for a spare stream: it takes one as a parent, when children hold every slot
-        self.json = _who_json(session, role, group)  # its entry in status replies; redone on re-tier
+        # a parent with no person behind it (``acquire`` with ``background``): it may wait for a
+        # context in use as a child does (``Scheduler._gap_target``); only ever cleared
+        self.background = background
+        self.json = _who_json(session, role, group, background=background and role == PARENT)  # redone on re-tier
 
     def __repr__(self) -> str:
         return f"<Waiter {self.queue.key} {self.session} {ROLES[self.role]} seq={self.seq}>"
@@ -1111,7 +1115,7 @@ class _Queue:
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
         "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents", "resumers",
-        "gaps", "away",
+        "gaps", "away", "people",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -1149,6 +1153,9 @@ class _Queue:
         # sessions that gave their slot up in a tool-call gap (a ``gap`` park) and have not queued
         # again, and when: their contexts are still in use for a while (``in_use``)
         self.away: OrderedDict[str, float] = OrderedDict()
+        # the parents waiting with a person behind them (not ``background``), oldest first: a
+        # heap beside the parents' own, its dead entries dropped lazily as there (``person_waits``)
+        self.people: list[tuple[int, int, Waiter]] = []
 
     def held(self) -> int:
         return len(self.holders) + len(self.extra)
@@ -1219,11 +1226,31 @@ class _Queue:
         self.holders, self.extra, self.waiting = {}, [], {}
         self.spares = self.parents = 0
         self.heaps, self.dead = ([], []), [0, 0]
+        self.people = []
         self.idle = OrderedDict()
         self.parked = OrderedDict()
 
     def push(self, w: Waiter) -> None:
         heapq.heappush(self.heaps[w.role], (w.seq, w.version, w))
+        if w.role == PARENT and not w.background:
+            self.push_person(w)
+
+    def push_person(self, w: Waiter) -> None:
+        people = self.people
+        heapq.heappush(people, (w.seq, w.version, w))
+        if len(people) > 2 * len(self.waiting) + 64:  # mostly dead entries: keep the living
+            people[:] = [e for e in people if self._person(e)]
+            heapq.heapify(people)
+
+    def _person(self, entry: tuple[int, int, Waiter]) -> bool:
+        return self._current(PARENT, entry[1], entry[2]) and not entry[2].background
+
+    def person_waits(self) -> bool:
+        """Whether a parent with a person behind it (one not ``background``) waits here."""
+        people = self.people
+        while people and not self._person(people[0]):
+            heapq.heappop(people)
+        return bool(people)
 
     def head(self, tier: int) -> Optional[Waiter]:
         """The oldest live waiter of ``tier``, dropping dead heap entries on the way."""
@@ -1304,7 +1331,7 @@ class Scheduler:
 
     def acquire(self, conn: Conn, key: str, session: str, role: str = "parent",
                 group: Optional[str] = None, activity: bool = False, *, now: float,
-                resume: bool = False, spare: bool = False) -> list[Event]:
+                resume: bool = False, spare: bool = False, background: bool = False) -> list[Event]:
         """A session asks for a slot of the queue ``key`` names.  Granted at once when a slot is
         free (or the queue is passthrough); otherwise queued by tier.  A session that already
         holds is re-granted without a second slot; one already waiting is not queued twice.
@@ -1314,7 +1341,11 @@ class Scheduler:
         Otherwise, and on ``fifo`` queues, it is ignored.
         ``spare``: a parent that finds every slot held by children takes one of the queue's
         spare streams (``parent_streams``) when one is free and no parent waits ahead of it, so
-        it streams beside the children instead of waiting for them; children never use those."""
+        it streams beside the children instead of waiting for them; children never use those.
+        ``background``: a parent with no person behind it (the proxy's conversation that names
+        nothing, while no person is in sight): in its tier as any parent, but where the contexts
+        kept are bounded it may wait, as a child does, for a context still in use
+        (``_gap_target``).  An acquire without it, for the same waiter, clears it."""
         tier = ROLES.index(role)
         q = self._queue_for(key)
         earned = session in q.resumers  # used by this acquire, or lost: earned for the next one only
@@ -1330,7 +1361,14 @@ class Scheduler:
             if (conn, key) not in w.targets:
                 w.targets[(conn, key)] = None
                 self._conn_waiters.setdefault(conn, set()).add(w)
-            return []
+            cleared: list[Event] = []
+            if w.background and not background:  # a person is behind it now
+                w.background = False
+                w.json = _who_json(w.session, w.role, w.group)
+                if w.role == PARENT:
+                    q.push_person(w)
+                    self._refill(q, now, cleared)  # a holder kept for a context in use may yield to it now
+            return cleared
         room = q.has_room()
         if room or spare and tier == PARENT and q.spare_room() and q.head(PARENT) is None:
             holder = self._grant(q, session, tier, group, activity, key, now, spare=not room)
@@ -1340,7 +1378,7 @@ class Scheduler:
         seq = self._seq
         if resume and earned and q.policy.policy != "fifo":
             seq -= RESUME_AHEAD  # ahead of its tier queued the usual way, FIFO among resumers
-        w = Waiter(q, session, tier, group, activity, seq, key, now, spare)
+        w = Waiter(q, session, tier, group, activity, seq, key, now, spare, background)
         w.targets[(conn, key)] = None
         q.queued += 1
         self._enqueue(q, w)
@@ -1394,7 +1432,7 @@ class Scheduler:
         for w in list(self._session_waiters.get(session, ())):
             if w.role != tier:
                 old, w.role = w.role, tier
-                w.json = _who_json(w.session, tier, w.group)
+                w.json = _who_json(w.session, tier, w.group, background=w.background and tier == PARENT)
                 w.version += 1
                 w.queue.bury(old)
                 w.queue.push(w)
@@ -1474,10 +1512,11 @@ class Scheduler:
     def parent_waits(self, key: str, session: str) -> bool:
         """Whether the session holds a child's slot there while a parent waits: a hint, in its
         beat replies, to hand the slot back at its next request boundary (cooperative: the
-        daemon never takes a live holder's slot)."""
+        daemon never takes a live holder's slot).  Only for a parent with a person behind it: a
+        ``background`` one gets the slot at the child's gaps, as the contexts kept allow."""
         q = self._find(key)
         holder = q.holder_for(key, session) if q else None
-        return holder is not None and holder.role == CHILD and q is not None and q.head(PARENT) is not None
+        return holder is not None and holder.role == CHILD and q is not None and q.person_waits()
 
     def beat(self, key: str, session: str, *, now: float, busy: Optional[bool] = None) -> bool:
         """A keyed activity beat: refresh that lease's TTL and activity.  False means the session
@@ -1688,7 +1727,7 @@ class Scheduler:
                 groups.setdefault(self._queue_for(target[1]), []).append(target)
             for i, (q, targets) in enumerate(groups.items()):
                 mine = w if i == 0 else Waiter(q, w.session, w.role, w.group, w.activity, w.seq, targets[0][1],
-                                               w.enqueued_at, w.spare)
+                                               w.enqueued_at, w.spare, w.background)
                 mine.targets = dict.fromkeys(targets)
                 mine.key = targets[0][1]
                 holding = q.holders.get(w.session)
@@ -1976,10 +2015,11 @@ class Scheduler:
         prober: Optional[str] = None  # the session that gave way last, while its return is awaited
         while q.waiting and q.parked:
             nxt = self._pick(q, now)
-            to_parent = nxt is not None and nxt.role == PARENT  # a handback holder yields to it
             # whom a holder between two requests (parked for a tool call, or in a handback gap)
             # gives its slot to, where the contexts kept are bounded (None: it keeps it)
             gap_target = self._gap_target(q, nxt, now)
+            # a handback holder yields to a parent (to a background one only evicting no context in use)
+            to_parent = nxt is not None and nxt.role == PARENT and (not nxt.background or gap_target is not None)
             if cost is None and any(h.handback for h in q.parked):
                 affinity = self._affinity.get(q.key)
                 cost = affinity.cost(q.policy.switch_cost) if affinity else switch_cost((), q.policy.switch_cost)
@@ -2061,12 +2101,18 @@ class Scheduler:
         two or more others ran), and ``nxt``'s run would push out the context of one still in
         use (``_Queue.in_use``).  A waiting child whose context is kept then goes instead, the
         one that waited longest; with none, the holder keeps its slot, as where switches are
-        dear.  A parent, and a child aged past ``agingAfterMs``, goes first whatever it costs.
+        dear.  A parent with a person behind it, and a child aged past ``agingAfterMs``, goes
+        first whatever it costs.  A ``background`` parent (no person behind it) is one of the
+        children here, unless a person's parent waits too: it waits for a context in use, and a
+        waiting child or background parent whose context is kept goes before it.
         ``done``: a session whose context counts as no longer in use (a holder that parked for
         good: its run settled, or it waits on other agents)."""
-        if (nxt is None or nxt.role != CHILD or q.policy.switch_cost != "auto" or q.policy.policy == "fifo"
-                or q.head(PARENT) is not None):  # a parent waits: it, or a child aged past it, goes
+        if nxt is None or q.policy.switch_cost != "auto" or q.policy.policy == "fifo":
             return nxt
+        if nxt.role == PARENT and not nxt.background or q.person_waits():
+            return nxt  # a person waits: it goes, or a child aged past it
+        if nxt.role == CHILD and q.head(PARENT) is not None:
+            return nxt  # a parent waits, background: a child goes only aged past it
         affinity = self._affinity.get(q.key)
         if affinity is None or affinity.contexts is None or affinity.contexts < 2 or affinity.cost() == "dear":
             return nxt
@@ -2076,8 +2122,9 @@ class Scheduler:
         if (nxt.session in resident or len(resident) < affinity.contexts or resident[-1] == done
                 or not q.in_use(resident[-1], now)):
             return nxt  # its context is kept, or there is room for it, or it evicts one done with
-        kept = [w for w in (q.waiting.get(s) for s in resident) if w is not None and w.role == CHILD]
-        return min(kept, key=lambda w: w.seq) if kept else None
+        kept = [w for w in (q.waiting.get(s) for s in resident)
+                if w is not None and (w.role == CHILD or w.background)]
+        return min(kept, key=lambda w: (w.role, w.seq)) if kept else None  # by tier, then age
 
     @staticmethod
     def _probe(q: _Queue, affinity: Optional[_Affinity], now: float) -> tuple[bool, Optional[str]]:
@@ -2176,6 +2223,7 @@ class Request(NamedTuple):
     spare: bool = False  # additive, on acquire: a parent may take a spare stream when every slot is held
     handback: bool = False  # additive, on a keyed renew: between two requests (see Scheduler.handback)
     gap: bool = False  # additive, with ``parked``: parked for a tool call between two requests (Scheduler.park)
+    background: bool = False  # additive, on acquire: a parent with no person behind it (Scheduler.acquire)
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -2259,6 +2307,9 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     gap = msg.get("gap")
     if gap is not None and not isinstance(gap, bool):
         raise ProtocolError(f"gap must be true or false (got {_show(gap)})")
+    background = msg.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise ProtocolError(f"background must be true or false (got {_show(background)})")
     if op in _KEYED_OPS and queue_key is None:
         raise ProtocolError(f"{op} requires queueKey")
     if op == "role" and role is None:
@@ -2275,7 +2326,7 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     if op == "usage" and counts == [None, None]:
         raise ProtocolError("usage requires prefilled or reused")
     return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume),
-                   counts[0], counts[1], busy, bool(spare), bool(handback), bool(gap))
+                   counts[0], counts[1], busy, bool(spare), bool(handback), bool(gap), bool(background))
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -2798,7 +2849,8 @@ class Daemon:
         if op == "acquire":
             assert req.queue_key is not None
             self._apply(sched.acquire(c, req.queue_key, session, req.role or "parent", req.group,
-                                      req.activity, now=now, resume=req.resume, spare=req.spare))
+                                      req.activity, now=now, resume=req.resume, spare=req.spare,
+                                      background=req.background))
         elif op == "release":
             assert req.queue_key is not None
             self._apply(sched.release(req.queue_key, session, now=now))
@@ -3240,6 +3292,8 @@ class Lease:
         self.group = group
         self.activity = activity
         self.spare = spare and role == "parent"  # may take a parent's spare stream when every slot is held
+        # a parent with no person behind it: its acquires say so (``Client.acquire``)
+        self.background = False
         self.terms = LeaseTerms.of(DEFAULT_POLICY)
         self.seq: Optional[int] = None
         self.queued = False
@@ -3627,12 +3681,15 @@ class Client:
 
     def acquire(self, queue_key: str, session_key: Optional[str] = None, role: str = "parent",
                 group: Optional[str] = None, activity: bool = True,
-                timeout: Optional[float] = None, spare: bool = False) -> Lease:
+                timeout: Optional[float] = None, spare: bool = False, background: bool = False) -> Lease:
         """Wait for a slot of ``queue_key`` and return the Lease.  ``timeout`` (seconds) cancels
         the request and raises TimeoutError; another thread's ``cancel`` raises Cancelled.
         ``spare``: a parent that finds every slot held by others streams at once on one of the
         queue's spare streams (``parentStreams``, 1 by default) if one is free; for a server
-        that runs more than one request at a time."""
+        that runs more than one request at a time.  ``background``: a parent with no person
+        behind it (the proxy's unnamed conversations while no person is in sight): where the
+        server keeps only so many contexts it may wait, as a child does, for one still in use.
+        ``Lease.background`` says it for the lease's later acquires."""
         if not isinstance(queue_key, str) or not queue_key:
             raise ValueError("queue_key must be a non-empty string")
         if role not in ROLES:
@@ -3642,6 +3699,7 @@ class Client:
                 self._sessions_made += 1
                 session_key = f"pid{os.getpid()}-{self._sessions_made}"
         lease = Lease(self, queue_key, session_key, role, group, activity, spare)
+        lease.background = background
         self._wait_for_grant(lease, timeout)
         return lease
 
@@ -3697,6 +3755,8 @@ class Client:
                 message["resume"] = True
             if lease.spare:
                 message["spare"] = True
+            if lease.background and lease.role == "parent":
+                message["background"] = True
             # The greeting and the acquire go in one write, so the daemon reads them in one turn:
             # it can never answer the greeting and then exit idle before the acquire arrives.
             greeting = [{"op": "renew"}] if greet else []
@@ -4111,6 +4171,7 @@ class Session:
         self.client = client
         self.slots = slots  # llama.cpp's slot files: a switch saves the context it would evict
         self.spare = spare  # a parent's spare stream beside the subagents; None: unless one slot
+        self._background = False
         self.queue_key = queue_key
         self.session_key = session_key or str(uuid.uuid4())
         self.slot_key: Optional[str] = self.session_key  # None: its context is never saved
@@ -4133,6 +4194,19 @@ class Session:
         self._request_end: Optional[float] = None
         self._gaps: deque[float] = deque(maxlen=3)
         self._lock = threading.Lock()
+
+    @property
+    def background(self) -> bool:
+        """A parent with no person behind it: its acquires say so, from the next one
+        (``Client.acquire``'s ``background``)."""
+        return self._background
+
+    @background.setter
+    def background(self, value: bool) -> None:
+        self._background = value
+        lease = self.lease
+        if lease is not None:
+            lease.background = value
 
     def _call_off_grace(self) -> None:
         self._turn += 1
@@ -4157,7 +4231,7 @@ class Session:
         if spare is None:  # where the server runs one request at a time, a spare stream buys nothing
             spare = self.role == "parent" and (self.slots is None or self.slots.total_slots() != 1)
         lease = self.client.acquire(self.queue_key, self.session_key, self.role, self.group,
-                                    activity=True, timeout=timeout, spare=spare)
+                                    activity=True, timeout=timeout, spare=spare, background=self.background)
         with self._lock:
             self.lease = lease
             if lease.role != self.role:  # re-tiered while it queued (``set_role``): its next grant
@@ -5142,6 +5216,21 @@ class Proxy:
             ps.set_role("child")
         return "parent", True
 
+    def unattended(self, ident: Identity, named: Optional[str], role: str) -> bool:
+        """Whether a request (tiered ``role`` by ``tier``) is a parent with no person behind it: a
+        conversation with nothing named (its fingerprint), while no person is in sight.  Its
+        acquires say ``background``: where the server keeps only so many contexts, it waits for
+        one still in use as a child does (else every agent, a parent, goes first in turn, and each
+        evicts the next one's context).  A person's first words in it come before the proxy can
+        tell them from an agent's: until then it is one of these."""
+        key = ident.session
+        if named is not None or ident.role is not None or role != "parent":
+            return False
+        if key is None or not key.startswith("conv:"):
+            return False
+        with self._lock:
+            return not self._people
+
     def hold_window(self, ps: _ProxySession, ending: Optional[str]) -> Optional[float]:
         """How long (seconds) a session keeps its slot after a response before it parks, that
         is hands it to a waiter (it keeps it while nobody waits, up to the grace):
@@ -5172,10 +5261,12 @@ class Proxy:
         return window
 
     def begin(self, session_key: Optional[str], role: str,
-              client_sock: Optional[socket.socket] = None, interactive: bool = False) -> _ProxySession:
+              client_sock: Optional[socket.socket] = None, interactive: bool = False,
+              background: bool = False) -> _ProxySession:
         """Hold the slot for a request of ``session_key`` (a fresh session when None).  While it
         waits, ``client_sock`` is watched: an HTTP client that hangs up leaves the queue
-        (Cancelled), as a socket client that disconnects would."""
+        (Cancelled), as a socket client that disconnects would.  ``background``: a parent with
+        no person behind it (``unattended``), from this request's acquire on."""
         import uuid
 
         own = session_key is None
@@ -5195,6 +5286,7 @@ class Proxy:
                     ps.session.slot_key = None
             retier = ps.session.role != role
             ps.interactive = interactive and role == "parent"
+            ps.session.background = background  # from its next acquire
             ps.inflight += 1
             if ps.inflight == 1 and ps.last_end is not None:
                 gap = time.monotonic() - ps.last_end
@@ -5325,12 +5417,14 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 self.close_connection = True
                 return
             ident = proxy.identify({k.lower(): v for k, v in self.headers.items()}, body, session, role)
-            role, interactive = proxy.tier(ident, role)
-            whose = " (a person's session)" if interactive else ""
+            named = role
+            role, interactive = proxy.tier(ident, named)
+            background = proxy.unattended(ident, named, role)
+            whose = " (a person's session)" if interactive else " (no person in sight)" if background else ""
             proxy.log(f"{self.command} {path}: session {ident.session or '(its own)'} as {role}{whose}, "
                       f"from {ident.source}")
             try:
-                ps = proxy.begin(ident.session, role, self.connection, interactive)
+                ps = proxy.begin(ident.session, role, self.connection, interactive, background)
             except DaemonUnavailable as e:
                 self._error(503, "llmqueue_unavailable", f"the llmqueue daemon is unavailable: {e}")
                 return

@@ -23,7 +23,8 @@ then streamed requests that grow it with the reply and a tool's output between r
   blocking tool);
 - ``proxy``: ``llmqueue proxy`` with the session and tier in the base URL (``/s/NAME/ROLE/v1``);
 - ``proxy-anon``: the proxy with no session names (what a tool that only takes a base URL gets);
-- ``client-warm``, ``proxy-warm``: ``client`` and ``proxy`` with a daemon that served agents on
+- ``client-warm``, ``proxy-warm``, ``proxy-anon-warm``: ``client``, ``proxy`` and ``proxy-anon``
+  with a daemon that served agents on
   this server before (``lesson``: as many agents as the run has take turns, two requests each)
   and exited, as a daemon does when its last client leaves: the run's daemon starts from the
   agent dir's state file (what a switch costs there, learned).
@@ -930,7 +931,7 @@ class LlamaServer:
 # Runs and the table
 # =================================================================================================
 
-ACCESS = ("none", "client", "proxy", "proxy-anon", "client-warm", "proxy-warm")
+ACCESS = ("none", "client", "proxy", "proxy-anon", "client-warm", "proxy-warm", "proxy-anon-warm")
 
 
 def lesson(access: Access, wl: Workload, salt: str) -> None:

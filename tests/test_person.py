@@ -6,8 +6,8 @@ An agent at work sends its tools' outputs back (a ``tool`` message, a ``tool_res
 conversation in which a request continues with a user's own message, after a reply of the model,
 is a person's: a parent, with a person's handback window.  While a person's conversation is in
 use, every other conversation with nothing named is background work: a child, behind the person
-at every request boundary.  With no person in sight, nothing changes: every such conversation
-gets the proxy's default tier, as before.  A role named by path, header or a subagent marker
+at every request boundary.  With no person in sight, every such conversation gets the proxy's
+default tier, as before (as a parent, its acquires say ``background``: tests/test_background.py).  A role named by path, header or a subagent marker
 always wins.
 """
 

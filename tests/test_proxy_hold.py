@@ -81,12 +81,14 @@ def body(agent: str, turn: int = 0) -> bytes:
     return json.dumps({"model": "m", "stream": True, "messages": messages}).encode()
 
 
-def post(port: int, data: bytes, who: str, finish: str = "stop", path: str = "/v1/chat/completions") -> float:
-    """One request through the proxy; returns when its response ended (monotonic)."""
+def post(port: int, data: bytes, who: str, finish: str = "stop", path: str = "/v1/chat/completions",
+         headers: Optional[Dict[str, str]] = None) -> float:
+    """One request through the proxy (with ``headers`` too); returns when its response ended
+    (monotonic)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request("POST", path, body=data, headers={"Content-Type": "application/json", "X-Who": who,
-                                                       "X-Finish": finish})
+        conn.request("POST", path, body=data, headers=dict({"Content-Type": "application/json", "X-Who": who,
+                                                            "X-Finish": finish}, **(headers or {})))
         response = conn.getresponse()
         assert response.status == 200
         response.read()
