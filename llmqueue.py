@@ -4534,6 +4534,7 @@ class Identity(NamedTuple):
     source: str
     conversation: Optional[str] = None  # the fingerprint, when the body was read
     person: bool = False  # the request carries a person's words (``person_turn``)
+    continued: bool = False  # the request goes on after a reply of the model (``continues``)
 
 
 def _text_of(content: Any) -> Any:
@@ -4581,6 +4582,23 @@ def conversation_fingerprint(body: dict[str, Any]) -> Optional[str]:
 
 
 _TOOL_OUTPUTS = ("tool_result", "function_call_output", "custom_tool_call_output", "mcp_tool_result")
+_MODEL_OUTPUTS = ("function_call", "custom_tool_call", "reasoning")  # Responses items the model wrote
+
+
+def continues(body: dict[str, Any]) -> bool:
+    """Whether the request goes on after a reply of the model: an ``assistant`` message in it
+    (chat completions, Anthropic Messages, Responses ``input`` items), an output item of the model
+    (Responses), or a Response it names by ``previous_response_id``.  A conversation's opening
+    request has none: a person's first words, or an agent's task, look the same."""
+    if body.get("previous_response_id"):
+        return True
+    items = body.get("messages")
+    if not isinstance(items, list):
+        items = body.get("input")
+    if not isinstance(items, list):
+        return False
+    return any(isinstance(m, dict) and (m.get("role") == "assistant" or m.get("type") in _MODEL_OUTPUTS)
+               for m in items)
 
 
 def person_turn(body: dict[str, Any]) -> bool:
@@ -4675,9 +4693,10 @@ def proxy_identity(headers: dict[str, str], body: bytes, *, session: Optional[st
     conversation = conversation_fingerprint(parsed) if parsed is not None else None
     tier = role if role is not None else ("child" if marked else None)
     person = parsed is not None and not marked and person_turn(parsed)
+    continued = parsed is not None and continues(parsed)
 
     def found(key: str, source: str) -> Identity:
-        return Identity(key, tier, source, conversation, person)
+        return Identity(key, tier, source, conversation, person, continued)
 
     if session:
         return found(session, "explicit")
@@ -5218,13 +5237,15 @@ class Proxy:
 
     def unattended(self, ident: Identity, named: Optional[str], role: str) -> bool:
         """Whether a request (tiered ``role`` by ``tier``) is a parent with no person behind it: a
-        conversation with nothing named (its fingerprint), while no person is in sight.  Its
-        acquires say ``background``: where the server keeps only so many contexts, it waits for
-        one still in use as a child does (else every agent, a parent, goes first in turn, and each
-        evicts the next one's context).  A person's first words in it come before the proxy can
-        tell them from an agent's: until then it is one of these."""
+        conversation with nothing named (its fingerprint), while no person is in sight, that goes
+        on after a reply of the model (``continues``) with something other than a person's words:
+        an agent's loop.  Its acquires say ``background``: where the server keeps only so many
+        contexts, it waits for one still in use as a child does (else every agent, a parent, goes
+        first in turn, and each evicts the next one's context).  A conversation's opening request
+        is never one: a person's first words look like an agent's task, and a person must not
+        wait for agents' contexts."""
         key = ident.session
-        if named is not None or ident.role is not None or role != "parent":
+        if named is not None or ident.role is not None or role != "parent" or not ident.continued:
             return False
         if key is None or not key.startswith("conv:"):
             return False

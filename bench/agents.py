@@ -62,6 +62,10 @@ tokenizing, prefill, caching and streaming are real.  ``pip install '.[bench]'``
   sessions hold only while their request is in flight);
 - failed requests.
 Every run's figure is printed with its ratio against ``none`` in the same set-up, in one table.
+``--repeat N`` runs every access N times, in rounds (each round runs the access list once, so
+that a slow spell of the machine meets every access alike): each row's ratio is against the
+``none`` of its own round, and a second table gives per access the median over the rounds, of
+the figures and of those ratios, with their range.
 
 The module under test stays standard library only; so is this file, but for the model writer.
 """
@@ -78,6 +82,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -994,17 +999,95 @@ def fmt_x(x: Optional[float], base: Optional[float]) -> str:
     return f" ({x / base:.2f}x)"
 
 
+def _case(r: Dict[str, Any]) -> Tuple[str, str, str]:
+    return r["pattern"], r["setup"], r["workload"]
+
+
+def _baselines(rows: List[Dict[str, Any]]) -> Dict[Tuple[Any, ...], Dict[str, Any]]:
+    """Each round's ``none`` row, per pattern, set-up and workload."""
+    return {_case(r) + (r.get("round", 0),): r for r in rows if r["access"] == "none" and "error" not in r}
+
+
+def _lines(lines: List[List[str]]) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    out = []
+    for k, line in enumerate(lines):
+        out.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _median(values: List[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def medians(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per pattern, set-up, workload and access, over its rounds (rows with ``round``): how many
+    ran, and the median and range of the makespan, of its ratio against the ``none`` of the same
+    round, of the prefill against the oracle, of the dead share of the makespan (%), and of the
+    parent's ttft p50 (against its idle p50 in the interactive pattern, else against ``none``'s)."""
+    base = _baselines(rows)
+    groups: Dict[Tuple[str, str, str, str], List[Dict[str, Any]]] = {}
+    for r in rows:
+        if "error" not in r:
+            groups.setdefault(_case(r) + (r["access"],), []).append(r)
+    out: List[Dict[str, Any]] = []
+    for key, runs in groups.items():
+        ratio: List[float] = []
+        parent: List[float] = []
+        for r in runs:
+            b = base.get(_case(r) + (r.get("round", 0),))
+            if b is not None and b["makespan_s"] > 0:
+                ratio.append(r["makespan_s"] / b["makespan_s"])
+            p50 = r.get("parent_ttft_p50")
+            against = r.get("parent_alone_p50") if r["pattern"] == "interactive" else (b or {}).get("parent_ttft_p50")
+            if p50 is not None and against:
+                parent.append(p50 / against)
+        figures_of = {
+            "makespan_s": [r["makespan_s"] for r in runs],
+            "vs_none": ratio,
+            "vs_oracle": [r["prefill"] / r["oracle"] for r in runs if r.get("oracle")],
+            "dead_pct": [100 * r["dead_s"] / r["makespan_s"] for r in runs
+                         if r.get("dead_s") is not None and r["makespan_s"] > 0],
+            "parent_ratio": parent,
+        }
+        row: Dict[str, Any] = dict(zip(("pattern", "setup", "workload", "access"), key), rounds=len(runs))
+        for name, values in figures_of.items():
+            row[name] = _median(values)
+            row[name + "_range"] = (min(values), max(values)) if values else None
+        out.append(row)
+    return out
+
+
+def medians_table(rows: List[Dict[str, Any]]) -> str:
+    head = ["pattern", "set-up", "workload", "access", "rounds", "makespan s", "vs none (range)",
+            "prefill vs oracle", "dead % of makespan", "parent ttft p50 vs none / idle"]
+    lines = [head]
+
+    def with_range(m: Dict[str, Any], name: str, fmt: str) -> str:
+        value, span = m[name], m[name + "_range"]
+        if value is None:
+            return "-"
+        text = fmt.format(value)
+        return text + (f" ({fmt.format(span[0])}-{fmt.format(span[1])})" if m["rounds"] > 1 else "")
+
+    for m in medians(rows):
+        lines.append([m["pattern"], m["setup"], m["workload"], m["access"], str(m["rounds"]),
+                      with_range(m, "makespan_s", "{:.1f}"), with_range(m, "vs_none", "{:.2f}x"),
+                      with_range(m, "vs_oracle", "{:.2f}x"),
+                      with_range(m, "dead_pct", "{:.0f}"), with_range(m, "parent_ratio", "{:.2f}x")])
+    return _lines(lines)
+
+
 def table(rows: List[Dict[str, Any]]) -> str:
     head = ["pattern", "set-up", "workload", "access", "makespan s", "prefilled tok", "vs oracle",
             "reused tok", "parent ttft p50/p95 s", "child ttft p50 s", "dead s (% of makespan)", "failed",
             "bg requests"]
     lines = [head]
-    base: Dict[Tuple[str, str, str], Dict[str, Any]] = {}
+    base = _baselines(rows)
     for r in rows:
-        if r["access"] == "none":
-            base[(r["pattern"], r["setup"], r["workload"])] = r
-    for r in rows:
-        b = base.get((r["pattern"], r["setup"], r["workload"]), {})
+        b = base.get(_case(r) + (r.get("round", 0),), {})
         if "error" in r:  # in the last column, so it widens no other
             lines.append([r["pattern"], r["setup"], r["workload"], r["access"]] + [""] * (len(head) - 5)
                          + ["error: " + r["error"][:80]])
@@ -1032,13 +1115,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
             (f"{r['bg_requests']}" + fmt_x(r["bg_requests"], b.get("bg_requests")))
             if interactive and r["access"] in ACCESS else "",
         ])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    out = []
-    for k, line in enumerate(lines):
-        out.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip())
-        if k == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return _lines(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -1062,7 +1139,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="write every figure and request here")
     ap.add_argument("--keep-logs", metavar="DIR", help="keep each queued run's event log here (llmqueue report)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="run every access N times, in rounds, and add a table of medians (default 1)")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if args.keep_logs:
         os.makedirs(args.keep_logs, exist_ok=True)
 
@@ -1105,7 +1186,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     started = time.monotonic()
     try:
         for setup, workload in plans:
-            for pattern in patterns:
+            for pattern, rnd in ((p, k) for p in patterns for k in range(args.repeat)):
                 runs = [(a, True) for a in access_names]
                 if pattern == "interactive":
                     runs.insert(0, ("none", False))  # the parent alone on an idle server
@@ -1114,9 +1195,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     salt = rng.choice(WORDS) + rng.choice(WORDS)
                     label = access_name if background else "idle (parent alone)"
                     row: Dict[str, Any] = {"pattern": pattern, "setup": setup.name if setup else "upstream",
-                                           "workload": workload, "access": label}
+                                           "workload": workload, "access": label, "round": rnd}
+                    of = f" (round {rnd + 1} of {args.repeat})" if args.repeat > 1 else ""
                     print(f"[{time.monotonic() - started:6.0f} s] {pattern} / {row['setup']} / {workload} / "
-                          f"{label} ...", file=sys.stderr, flush=True)
+                          f"{label}{of} ...", file=sys.stderr, flush=True)
                     server: Optional[LlamaServer] = None
                     try:
                         if setup is not None:
@@ -1126,7 +1208,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                             upstream = server.url
                         else:
                             upstream = args.upstream
-                        keep = (os.path.join(args.keep_logs, f"{pattern}-{row['setup']}-{workload}-{label}.log")
+                        suffix = f"-{rnd + 1}" if args.repeat > 1 else ""
+                        keep = (os.path.join(args.keep_logs, f"{pattern}-{row['setup']}-{workload}-{label}{suffix}.log")
                                 if args.keep_logs and access_name != "none" else None)
                         row.update(run_once(pattern, access_name, upstream, wl, salt, background, keep))
                         if server is not None:
@@ -1149,6 +1232,9 @@ def main(argv: Optional[List[str]] = None) -> int:
           "model " + ("the server's own" if args.upstream else args.model if args.model
                       else f"random llama, {size.n_embd} wide, {size.n_layer} layers"))
     print(table(rows))
+    if args.repeat > 1:
+        print(f"\nmedians over {args.repeat} rounds (each ratio against the none of its own round):")
+        print(medians_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": wl._asdict(), "model": size._asdict(), "rows": rows}, f, indent=1)

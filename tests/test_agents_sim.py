@@ -237,3 +237,22 @@ def test_proxy_with_no_session_names_puts_a_persons_turns_ahead_of_the_backgroun
             assert len(before) <= 1, (turn, before)
             if after is not None:  # while the person thought
                 assert any(turn.end < r.first < after.ask for r in background if r.first is not None)
+
+
+def test_repeated_rounds_take_each_ratio_against_the_none_of_their_own_round() -> None:
+    """``--repeat``: a slow spell that slows one round's ``none`` and queued runs alike leaves
+    that round's ratio alone; the medians table gives the median of the rounds' ratios."""
+    rows: List[Any] = []
+    for rnd, (none, queued) in enumerate([(10.0, 11.0), (20.0, 21.0), (11.0, 10.0)]):
+        for access, makespan, dead in (("none", none, None), ("client", queued, queued / 10)):
+            rows.append({"pattern": "delegate", "setup": "1slot-cache", "workload": "fit", "access": access,
+                         "round": rnd, "makespan_s": makespan, "prefill": 120, "oracle": 100, "dead_s": dead,
+                         "parent_ttft_p50": 0.5 if access == "none" else 1.0})
+    (none_row, client) = agents.medians(rows)
+    assert none_row["access"] == "none" and none_row["vs_none"] == 1.0 and none_row["dead_pct"] is None
+    assert client["rounds"] == 3 and client["makespan_s"] == 11.0
+    assert client["vs_none"] == pytest.approx(1.05)  # the median of 1.10, 1.05 and 0.91
+    assert client["vs_none_range"] == pytest.approx((10 / 11, 1.1))
+    assert client["vs_oracle"] == pytest.approx(1.2) and client["dead_pct"] == pytest.approx(10.0)
+    assert client["parent_ratio"] == pytest.approx(2.0)
+    assert "1.05x (0.91x-1.10x)" in agents.medians_table(rows)

@@ -2,8 +2,8 @@
 with ``background: true`` (additive).
 
 The proxy sends it for a conversation that names nothing (its fingerprint) while no person is in
-sight: every such agent is a parent then, and the contexts rule of tool-call gaps applied to
-children only.  On a warm queue that knows how many contexts the server keeps, each gap then went
+sight, from its second request on (its opening request may be a person's first words): every
+such agent is a parent then, and the contexts rule of tool-call gaps applied to children only.  On a warm queue that knows how many contexts the server keeps, each gap then went
 to the next agent in turn, and each run evicted the context of the one after it.
 
 A background parent keeps its tier (it goes before the children, FIFO among parents), but where
@@ -270,6 +270,12 @@ def test_the_proxy_says_background_for_a_conversation_with_nothing_named_while_n
     assert entry["role"] == "parent" and entry.get("background") is True
 
 
+def test_the_proxy_never_says_background_for_a_conversations_opening_request(
+        stub: StubEndpoint, daemon: DaemonProc) -> None:
+    entry = queued_entry(stub, daemon, [], chat("job K"))  # it may be a person's first words
+    assert entry["role"] == "parent" and "background" not in entry
+
+
 def test_the_proxy_never_says_background_for_a_session_the_request_names(
         stub: StubEndpoint, daemon: DaemonProc) -> None:
     entry = queued_entry(stub, daemon, [], chat("job K", "tool"), {"X-Session-Id": "ses_named"})
@@ -285,14 +291,19 @@ def test_the_proxy_never_says_background_for_a_persons_turn(stub: StubEndpoint, 
 # -- what it buys, in the KV-cache simulator ------------------------------------------------------
 
 
-def test_agents_with_nothing_named_on_a_warm_queue_prefill_at_most_1_5x_the_oracle() -> None:
+def test_agents_with_nothing_named_on_a_warm_queue_prefill_less_than_the_server_alone() -> None:
     """Three runs of the benchmark's delegate workload through the proxy, with nothing named, on
-    one daemon: the first teaches the queue that the server keeps two contexts; the next two must
-    rotate among that many (they prefilled 2.47x the oracle, past the server alone, when every
-    such agent was a plain parent)."""
-    from tests.test_agents_sim import CONTEXT, WORKLOAD, prefill_ratio, run_delegate
+    one daemon.  The first teaches the queue a bound on the contexts the server keeps; the next
+    ones rotate among that many.  When every such agent was a plain parent, the second and third
+    prefilled 2.47x the oracle, past the server alone.  Now each stays below the server alone,
+    and the third, on a bound learned, at most 1.5x (measured 1.35x).  The rest is each agent's
+    opening request, which goes as any parent's (a person's first words look the same) and may
+    evict a context in use."""
+    from tests.test_agents_sim import CONTEXT, prefill_ratio, run_delegate
     import agents
 
+    with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=0.05, decode_ms=0.3) as alone:
+        without = prefill_ratio(run_delegate(agents.Access(alone.url)))
     log = os.path.join(short_tmpdir(), "events.log")
     for d in started(config={"defaults": {"logFile": log}}):
         with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=0.05,
@@ -307,5 +318,16 @@ def test_agents_with_nothing_named_on_a_warm_queue_prefill_at_most_1_5x_the_orac
             finally:
                 proxy.shutdown()
                 client.close()
-        assert max(ratios[1:]) <= 1.5, ratios
+        assert max(ratios[1:]) < without and ratios[2] <= 1.5, (ratios, without)
         assert d.status()[0]["affinity"]["contexts"] is not None  # it learned a bound
+
+
+def test_a_request_continues_a_conversation_after_a_reply_of_the_model() -> None:
+    assert not lq.continues(chat("job"))  # its opening: a person's first words look the same
+    assert lq.continues(chat("job", "tool")) and lq.continues(chat("job", "person"))
+    assert lq.continues({"model": "m", "input": "go on", "previous_response_id": "resp_1"})
+    assert lq.continues({"model": "m", "input": [{"role": "user", "content": "go"},
+                                                 {"type": "function_call", "name": "ls", "call_id": "c1"},
+                                                 {"type": "function_call_output", "call_id": "c1", "output": "x"}]})
+    assert not lq.continues({"model": "m", "input": [{"role": "user", "content": "go"}]})
+    assert not lq.continues({"model": "m", "input": "go"}) and not lq.continues({"model": "m"})
