@@ -156,10 +156,13 @@ def test_where_switches_are_dear_the_proxy_with_named_sessions_prefills_at_most_
 
 def test_proxy_with_no_session_names_prefills_what_named_sessions_prefill(sim: KVSim, daemon: DaemonProc) -> None:
     """Issue 14: the agents name nothing; the proxy keys each by its conversation, and holds its
-    slot across its tool calls: at most 1.3x the oracle on a fresh queue, as named sessions where
-    switches are dear (above)."""
+    slot across its tool calls.  On a fresh queue: at most 1.5x the oracle.  That is the parent's
+    own context, evicted while its subagents run (1.19x, as named sessions where switches are
+    dear, above), plus at most the one eviction that teaches the queue how many contexts the
+    server keeps, as for ``Client`` sessions on a fresh queue (1.35x: whether it comes depends on
+    how the subagents' first requests and tool calls interleave, so on the machine's load)."""
     result = run_delegate_through_proxy(sim, daemon, named=False, grace_ms=1000)
-    assert prefill_ratio(result) <= 1.3
+    assert prefill_ratio(result) <= 1.5
     assert overlaps(sim) == 1
 
 
