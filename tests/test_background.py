@@ -331,3 +331,17 @@ def test_a_request_continues_a_conversation_after_a_reply_of_the_model() -> None
                                                  {"type": "function_call_output", "call_id": "c1", "output": "x"}]})
     assert not lq.continues({"model": "m", "input": [{"role": "user", "content": "go"}]})
     assert not lq.continues({"model": "m", "input": "go"}) and not lq.continues({"model": "m"})
+
+
+def test_core_a_holder_between_two_requests_yields_to_a_background_parent_only_as_the_contexts_allow() -> None:
+    """A ``handback`` holder (between two requests, not parked) gives a parent its slot where
+    switches are cheap; to a background parent only where that evicts no context in use."""
+    for background in (True, False):
+        s = kept_for_c()
+        if not background:
+            bg(s, "B", T0 + 25, background=False)  # B's own request again, a person's now
+        held, events = s.handback(K, "A", now=T0 + 30)
+        if background:
+            assert held and events == [], "B's run would evict C's context, in use"
+        else:
+            assert not held and granted(events) == ["B"]
