@@ -25,7 +25,9 @@ Inputs
   writes a request's record before the request (a record of a request never sent is harmless;
   a request the daemon saw without a record is not).  ``close`` is the moment the
   connection was closed (or the process holding it was killed: the killer appends the time read
-  just before the kill).  ``note`` is free text for the suite; the checker ignores it.  Records
+  just before the kill, and may add ``"by"``, a time by which the dead process's sockets were
+  certainly closed -- its reaping; a dying process under load takes a while to let go of them).
+  A dead waiter is judged against ``by``, a dequeue against ``t``.  ``note`` is free text for the suite; the checker ignores it.  Records
   of one connection are in the order they happened; connections may be interleaved in any
   order.  Every request names its ``sessionKey``; a session uses one connection at a time (a
   reconnect closes the old one first).  A client that re-``acquire``s a queue after a ``cancel``
@@ -97,7 +99,9 @@ Rules (``Violation.rule``)
 ``waiter``   (e)  a ``queued`` line for a session already waiting; a waiter granted although every
                   connection that asked for it had closed (``margin_ms`` before); a waiter dequeued with reason
                   ``cancel`` although its session sent no ``cancel``, or ``disconnect`` although no
-                  connection of the session closed; with ``final_status``: a waiter the log leaves
+                  connection of the session closed with an acquire of that queue outstanding (each such
+                  close answers for one dequeue; a grant or cancel the client saw before the dequeue
+                  retires earlier closes); with ``final_status``: a waiter the log leaves
                   waiting that ``status`` no longer lists (a vanished waiter) or one ``status``
                   lists that the log never queued; from the transcripts: an ``acquire`` that was
                   never granted, never cancelled and whose connection never closed, while the log
@@ -389,6 +393,7 @@ class _Conn:
         self.ops: List[_Op] = []
         self.grants: List[_GrantSeen] = []
         self.closed: Optional[float] = None
+        self.closed_by: Optional[float] = None  # certainly closed by then (a killed process's reaping)
         self.bye: Optional[float] = None
         self.events: List[Tuple[float, str, Any]] = []  # ("granted", _GrantSeen) / ("op", _Op) / ("close", None)
 
@@ -396,6 +401,13 @@ class _Conn:
     def gone(self) -> Optional[float]:
         """When this connection stopped counting for the daemon: ``bye`` or close."""
         times = [t for t in (self.closed, self.bye) if t is not None]
+        return min(times) if times else None
+
+    @property
+    def gone_by(self) -> Optional[float]:
+        """When this connection certainly stopped counting: ``bye``, or the close's ``by``."""
+        closed = self.closed_by if self.closed_by is not None else self.closed
+        times = [t for t in (closed, self.bye) if t is not None]
         return min(times) if times else None
 
 
@@ -502,6 +514,9 @@ class _Transcripts:
             elif kind == "close":
                 if c.closed is None:
                     c.closed = t
+                    by = rec.get("by")
+                    if isinstance(by, (int, float)) and not isinstance(by, bool) and by * 1000.0 > t:
+                        c.closed_by = float(by) * 1000.0
                     c.events.append((t, "close", None))
         for (queue, session), ops in asking.items():
             if ops and not self._abandoned(c, queue, session, ops[0].t):
@@ -583,6 +598,7 @@ class HistoryChecker:
         self.leases: DefaultDict[Tuple[str, str], List[_Lease]] = defaultdict(list)
         self.last_ts = -INF
         self._dequeued: List[Tuple[str, _Waiter, str, float, int]] = []
+        self._close_cache: Dict[Tuple[str, str], List[List[Optional[float]]]] = {}
 
     def spec(self, queue: str) -> QueueSpec:
         return self.policies.get(queue, self.default)
@@ -851,7 +867,7 @@ class HistoryChecker:
         asked = [self.tx.conns[n] for n in names
                  if any(op.op == "acquire" and op.queue == q.key and op.session == session and op.t <= ts + 1.0
                         for op in self.tx.conns[n].ops)]
-        gone = [c.gone for c in asked]
+        gone = [c.gone_by for c in asked]
         if asked and all(g is not None and g < ts - self.m for g in gone):
             last = max(g for g in gone if g is not None)
             self.report.add("waiter", q.key, f"{session} granted {ts - last:.0f} ms after its last connection "
@@ -978,17 +994,55 @@ class HistoryChecker:
                            for op in self.tx.cancels.get((queue, w.session), ())):
                     r.add("waiter", queue, f"{w.session} dequeued as cancelled but it sent no cancel", at)
             elif reason == "disconnect":
-                gone = [self.tx.conns[c].gone for c in self.tx.session_any_conns.get(w.session, ())]
-                # The waiter lived from the acquire that queued it: a daemon kept off the CPU for
-                # longer than the margin logs the enqueue late, after a close that came meanwhile.
-                sent = [op.t for c in self.tx.session_conns.get((queue, w.session), ())
-                        for op in self.tx.conns[c].ops
-                        if op.op == "acquire" and op.queue == queue and op.session == w.session
-                        and op.t <= w.ts + 1.0]
-                lo = min(w.ts - self.m, max(sent)) if sent else w.ts - self.m
-                if not any(g is not None and lo <= g <= ts + 1.0 for g in gone):
+                # Held against the closes themselves, not the log's times around the waiter: a
+                # daemon kept off the CPU for longer than the margin reads an acquire, its
+                # connection's end and the same session's acquire on a new connection in one late
+                # turn, and logs the first waiter queued and dequeued after all three.
+                closes = self._closes_with_acquire_outstanding(queue, w.session)
+                fit = [c for c in closes if c[0] <= ts + 1.0 and (c[1] is None or c[1] > ts - self.m)]
+                if fit:
+                    closes.remove(fit[0])  # each close answers for one dequeue
+                else:
                     r.add("waiter", queue, f"{w.session} dequeued as disconnected but none of its connections "
                           "closed", at)
+
+    def _closes_with_acquire_outstanding(self, queue: str, session: str) -> List[List[Optional[float]]]:
+        """``[close time, retired at]`` for each connection of ``session`` that went away with an
+        acquire of ``queue`` outstanding (sent, and no grant or cancel of it seen since), in time
+        order.  A grant or a cancel the client saw later retires it: a waiter life ended there.
+        The session's records come from one client, so their order is the order they happened.
+        Built once per pair; the caller removes the closes it matched."""
+        cached = self._close_cache.get((queue, session))
+        if cached is not None:
+            return cached
+        events: List[Tuple[float, int, str, str]] = []
+        for name in self.tx.session_any_conns.get(session, ()):
+            c = self.tx.conns[name]
+            for op in c.ops:
+                if op.queue == queue and op.session == session and op.op in ("acquire", "cancel"):
+                    events.append((op.t, 0, op.op, name))
+            for g in c.grants:
+                if g.queue == queue and g.session == session:
+                    events.append((g.t, 0, "granted", name))
+            if c.gone is not None:
+                events.append((c.gone, 1, "gone", name))
+        events.sort()
+        outstanding: Set[str] = set()
+        closes: List[List[Optional[float]]] = []
+        for t, _, kind, name in events:
+            if kind == "acquire":
+                outstanding.add(name)
+            elif kind == "gone":
+                if name in outstanding:
+                    outstanding.discard(name)
+                    closes.append([t, None])
+            else:  # granted, cancel: that life is over
+                outstanding.clear()
+                for close in closes:
+                    if close[1] is None:
+                        close[1] = t
+        self._close_cache[(queue, session)] = closes
+        return closes
 
     def _check_pending_acquires(self) -> None:
         for conn, queue, session in self.report.pending_acquires:

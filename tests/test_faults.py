@@ -449,7 +449,11 @@ def test_the_log_path_made_unwritable_mid_run_costs_nothing_and_logging_resumes_
         shutil.rmtree(logs)  # ENOENT
         for i in range(1, 6):
             hand_over(a, b, K, f"A{i}", f"B{i}")
-        os.makedirs(log)  # EISDIR
+        # EISDIR.  Made aside and renamed into place: made in place, the daemon's flush of the last
+        # hand-over may land between the parent's mkdir and the leaf's and create the log file.
+        aside = logs + ".new"
+        os.makedirs(os.path.join(aside, "events.log"))
+        os.rename(aside, logs)
         for i in range(6, 11):
             hand_over(a, b, K, f"A{i}", f"B{i}")
         if os.path.exists("/dev/full"):  # ENOSPC, through a reload

@@ -70,8 +70,11 @@ class H:
         self.tx.append(record(conn, "recv", msg, t=(EPOCH + t) / 1000.0))
         return self
 
-    def close(self, conn: str, t: float) -> H:
-        self.tx.append(record(conn, "close", t=(EPOCH + t) / 1000.0))
+    def close(self, conn: str, t: float, by: Optional[float] = None) -> H:
+        rec = record(conn, "close", t=(EPOCH + t) / 1000.0)
+        if by is not None:
+            rec["by"] = (EPOCH + by) / 1000.0
+        self.tx.append(rec)
         return self
 
     def granted(self, conn: str, t: float, session: str, seq: int, queue: str = Q) -> H:
@@ -524,6 +527,37 @@ def test_a_daemon_kept_off_the_cpu_logs_the_enqueue_after_the_close_and_that_is_
     assert "waiter" in rules(before.check())
 
 
+def test_a_late_turn_that_reads_a_close_and_the_reconnect_s_acquire_dequeues_the_old_waiter() -> None:
+    """The client waits on ``w``, drops it and asks again on ``w2`` at once; a daemon kept off the
+    CPU logs the first waiter queued and dequeued after both, then the second queued.  The close
+    answers for the dequeue.  A second dequeue has no close left to answer for it."""
+    late = (full_queue().send("w", 9, op="acquire", queueKey=Q, sessionKey="W").close("w", 20)
+            .send("w2", 30, op="acquire", queueKey=Q, sessionKey="W")
+            .ev(400, "queued", "W").ev(400, "dequeue", "W", reason="disconnect").ev(401, "queued", "W"))
+    clean(late.check())
+    twice = (full_queue().send("w", 9, op="acquire", queueKey=Q, sessionKey="W").close("w", 20)
+             .send("w2", 30, op="acquire", queueKey=Q, sessionKey="W")
+             .ev(400, "queued", "W").ev(400, "dequeue", "W", reason="disconnect").ev(401, "queued", "W")
+             .ev(500, "dequeue", "W", reason="disconnect"))
+    report = twice.check()
+    assert "waiter" in rules(report) and any("none of its connections closed" in v.message
+                                             for v in report.violations)
+
+
+def test_a_close_before_a_grant_the_client_saw_does_not_answer_for_a_later_dequeue() -> None:
+    """``old`` closes while ``w`` also waits for the session (no dequeue: ``w`` still asks); the
+    session is granted, released, and queued again on ``w``; a dequeue as disconnected then, with
+    ``w`` open, is flagged: the old close belonged to the life that ended in the grant."""
+    h = (full_queue().send("old", 5, op="acquire", queueKey=Q, sessionKey="W")
+         .send("w", 8, op="acquire", queueKey=Q, sessionKey="W").ev(10, "queued", "W").close("old", 20)
+         .ev(100, "release", "X", reason="release").grant(100, "W", 2, switch=True).granted("w", 101, "W", 2)
+         .send("w", 150, op="release", queueKey=Q, sessionKey="W").ev(151, "release", "W", reason="release")
+         .send("w", 300, op="acquire", queueKey=Q, sessionKey="W").ev(301, "queued", "W")
+         .ev(600, "dequeue", "W", reason="disconnect"))
+    report = h.check()
+    assert any("none of its connections closed" in v.message for v in report.violations)
+
+
 def test_waiter_still_waiting_at_the_end_is_reported_and_must_be_in_the_final_status() -> None:
     h = waiting_w()
     listed = [{"queueKey": Q, "holders": [{"sessionKey": "X"}], "waiting": [{"sessionKey": "W"}]}]
@@ -556,6 +590,18 @@ def test_waiter_granted_after_its_connection_closed_is_a_dead_waiter() -> None:
     reconnected = waiting_w().close("w", 50).send("w2", 60, op="acquire", queueKey=Q, sessionKey="W")
     reconnected.ev(400, "release", "X", reason="release").grant(400, "W", 2, switch=True)
     clean(reconnected.check())
+
+
+def test_a_killed_client_is_a_dead_waiter_only_once_it_was_certainly_reaped() -> None:
+    """The killer reads the clock before the kill; a process that dies slowly on a loaded machine
+    keeps its sockets until it is reaped, and the record's ``by`` says when that was."""
+    slow = waiting_w().close("w", 50, by=390).ev(400, "release", "X", reason="release").grant(400, "W", 2, switch=True)
+    slow.ev(400, "release", "W", reason="disconnect")
+    clean(slow.check())
+    dead = waiting_w().close("w", 50, by=150).ev(400, "release", "X", reason="release").grant(400, "W", 2, switch=True)
+    dead.ev(400, "release", "W", reason="disconnect")
+    report = dead.check()
+    assert rules(report) == ["waiter"] and "dead waiter" in report.violations[0].message
 
 
 def test_waiter_queued_twice_is_flagged() -> None:
