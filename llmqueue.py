@@ -2027,8 +2027,12 @@ class Scheduler:
                 awaited = affinity.prober if affinity is not None else None  # answered or not
 
             def gives_way(h: Holder) -> bool:
-                if h.parked:
-                    return not h.gap or gap_target is not None
+                if h.parked and h.gap:
+                    return gap_target is not None
+                if h.parked and h.role == CHILD:  # for good: its context is done with, not one still in use
+                    return self._gap_target(q, nxt, now, done=h.session) is not None
+                if h.parked:  # a parent's for good: never kept (the person's settle has its own rule)
+                    return True
                 # while the cost is unknown: a probe (one at a time), or the slot back at once to
                 # the one that gave way last, whose return is awaited
                 finds_out = cost == "unknown" and nxt is not None and (probe or nxt.session == prober)
@@ -2039,14 +2043,15 @@ class Scheduler:
 
             holder = next((h for h in q.parked if gives_way(h) and q.frees_for_waiter(h)), None)
             if holder is None:
-                if gap_target is None:  # kept for a context in use: look again when it is done with
-                    self._recheck_gap(q, now)
+                if gap_target is None or any(h.parked and not h.gap and h.role == CHILD for h in q.parked):
+                    self._recheck_gap(q, now)  # kept for a context in use: look again when it is done with
                 break
             if holder.gap or not holder.parked and not to_parent:
                 target = gap_target
-            else:  # a park for good: never kept, but a waiter whose context is kept goes first
-                target = self._gap_target(q, nxt, now, done=holder.session) if holder.parked else nxt
-                target = target or nxt
+            elif holder.parked:  # a park for good: a waiter whose context is kept goes first
+                target = self._gap_target(q, nxt, now, done=holder.session) or nxt
+            else:
+                target = nxt
             if holder.gap or not holder.parked:  # between two requests: its context is in use meanwhile
                 q.went_away(holder.session, now)
             else:
