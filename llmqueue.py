@@ -1115,7 +1115,7 @@ class _Queue:
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
         "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents", "resumers",
-        "gaps", "away", "people",
+        "gaps", "named_children", "away", "people",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -1150,6 +1150,10 @@ class _Queue:
         # its holders' last gaps (ms), each from the end of a request (a handback gap, or a park) to
         # the holder's next one: how long its tool calls take
         self.gaps: deque[float] = deque(maxlen=8)
+        # a subagent asked here: from then on the tool calls are measured on the subagents, since
+        # a parent's gaps may be a person's think time (where none is named, every agent is a
+        # parent, and theirs are what there is)
+        self.named_children = False
         # sessions that gave their slot up in a tool-call gap (a ``gap`` park) and have not queued
         # again, and when: their contexts are still in use for a while (``in_use``)
         self.away: OrderedDict[str, float] = OrderedDict()
@@ -1348,6 +1352,8 @@ class Scheduler:
         (``_gap_target``).  An acquire without it, for the same waiter, clears it."""
         tier = ROLES.index(role)
         q = self._queue_for(key)
+        if tier == CHILD:
+            q.named_children = True
         earned = session in q.resumers  # used by this acquire, or lost: earned for the next one only
         q.resumers.pop(session, None)
         q.away.pop(session, None)  # back: it holds or waits from here
@@ -1880,8 +1886,12 @@ class Scheduler:
             holder.last_activity = now
             q = holder.queue
             if holder.parked or holder.handback:  # work resumed
-                # a tool call's length, a gap's that ended in a park too (a longer one was none)
-                if holder.idle_since is not None and now - holder.idle_since <= GRACE_MS:
+                # a tool call's length, a gap's that ended in a park too (a longer one was none);
+                # not a person's think time: a person that kept the slot through 2 s of thought
+                # made every context given up in a gap count as in use for the whole grace, and
+                # the slot was kept idle for contexts long done with
+                if (holder.idle_since is not None and now - holder.idle_since <= GRACE_MS
+                        and (holder.role == CHILD or not q.named_children)):
                     q.gaps.append(now - holder.idle_since)
                 holder.parked = holder.handback = holder.gap = False
                 q.parked.pop(holder, None)
@@ -5318,7 +5328,8 @@ class Proxy:
                 gap = time.monotonic() - ps.last_end
                 if gap <= self.grace_ms / 1000.0:  # a longer one let the slot go: no tool call
                     ps.gaps.append(gap)
-                    self._recent_gaps.append(gap)
+                    if not ps.interactive:  # a person's think time tells nothing of the agents' tool calls
+                        self._recent_gaps.append(gap)
         if retier:  # a person spoke in it, or in another: the session changes tier from here
             ps.set_role(role)
         waiting = threading.Event()

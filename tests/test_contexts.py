@@ -149,6 +149,49 @@ def test_core_a_context_given_up_in_a_gap_is_in_use_only_as_long_as_the_queues_t
     assert granted(events) == ["B"]
 
 
+def test_core_a_persons_think_time_is_no_tool_call_and_does_not_lengthen_the_in_use_window() -> None:
+    """The queue's tool calls take as long as its agents' gaps say: a child's 500 ms one makes a
+    context given up in a gap in use for 950 ms (1.5x plus 0.2 s).  Where subagents are named, a
+    parent that kept its slot through 2 s between its turns (a person's think time) adds nothing
+    (counted, it would make the window the whole grace, and a holder keep its slot for a context
+    long done with).  Where none is named, every agent is a parent, and its gaps count."""
+    for person in (False, True):
+        s = taught()
+        s.acquire("x", K, "X", "child", now=T0)
+        s.park(K, "X", now=T0 + 100, gap=True)  # nobody waits: kept
+        assert s.beat(K, "X", now=T0 + 600)  # back from a 500 ms tool call
+        s.release(K, "X", now=T0 + 700)
+        if person:
+            s.acquire("p", K, "P", "parent", now=T0 + 800)
+            s.park(K, "P", now=T0 + 900, gap=True)  # the person thinks; nobody waits: kept
+            assert s.beat(K, "P", now=T0 + 2900)  # the next turn
+            s.release(K, "P", now=T0 + 3000)
+        assert_in_use_for_950_ms(s, T0 + 4000)
+    s = taught()
+    s.acquire("x", K, "X", "parent", now=T0)
+    s.park(K, "X", now=T0 + 100, gap=True)
+    assert s.beat(K, "X", now=T0 + 600)  # an agent with nothing named: a 500 ms tool call
+    s.release(K, "X", now=T0 + 700)
+    s.acquire("c", K, "C", "parent", now=T0 + 4000, background=True)
+    s.acquire("a", K, "A", "parent", now=T0 + 4000, background=True)
+    assert granted(s.park(K, "C", now=T0 + 4010, gap=True)[1]) == ["A"]
+    s.acquire("b", K, "B", "parent", now=T0 + 4020, background=True)
+    assert s.park(K, "A", now=T0 + 4030, gap=True) == (True, [])
+    assert granted(s.acquire("e", K, "E", "parent", now=T0 + 4010 + 960, background=True)) == ["B"]
+
+
+def assert_in_use_for_950_ms(s: lq.Scheduler, t: float) -> None:
+    """C gives its slot to A in a tool-call gap at ``t + 10``; A's own gap keeps it from B, whose
+    run would evict C's context, for as long as C's counts as in use: 950 ms."""
+    s.acquire("c", K, "C", "child", now=t)
+    s.acquire("a", K, "A", "child", now=t)
+    assert granted(s.park(K, "C", now=t + 10, gap=True)[1]) == ["A"]  # C in its tool call
+    s.acquire("b", K, "B", "child", now=t + 20)
+    assert s.park(K, "A", now=t + 30, gap=True) == (True, [])  # kept: B's run would evict C's
+    assert granted(s.acquire("d", K, "D", "child", now=t + 10 + 940)) == []  # C's still in use
+    assert granted(s.acquire("e", K, "E", "child", now=t + 10 + 960)) == ["B"]  # done with
+
+
 def test_core_the_sweep_looks_again_once_the_context_a_gap_was_kept_for_is_done_with() -> None:
     s = kept_for_c()
     due = s.next_deadline()

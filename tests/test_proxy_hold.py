@@ -161,6 +161,21 @@ def test_a_new_session_starts_from_its_peers_recent_gaps(
     assert 0.3 < waited < 2.0
 
 
+def test_a_persons_think_time_is_no_peer_tool_call(
+        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
+    """As above, and then a person (a parent named by its path) thinks 1.5 s between turns: a new
+    session still starts from the agents' 0.2 s tool calls, not a window of 2.45 s."""
+    for turn in range(3):
+        post(proxy.port, body("W", turn), f"W{turn}", "length")
+        time.sleep(0.2)
+    for turn in range(2):
+        post(proxy.port, body("P", turn), f"P{turn}", "length", "/s/main/parent/v1/chat/completions")
+        time.sleep(1.5)
+    wait_for(lambda: daemon.holders(stub.base) == [], timeout=GRACE_MS / 1000 + 3)
+    waited = handover_after(stub, daemon, proxy, "length")  # A: no gap of its own yet
+    assert 0.3 < waited < 1.8
+
+
 def test_a_parent_named_by_its_path_keeps_its_handback_window(
         stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
     waited = handover_after(stub, daemon, proxy, "length", path="/s/main/parent/v1/chat/completions")
