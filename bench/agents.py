@@ -25,9 +25,12 @@ then streamed requests that grow it with the reply and a tool's output between r
 - ``proxy-anon``: the proxy with no session names (what a tool that only takes a base URL gets);
 - ``client-warm``, ``proxy-warm``, ``proxy-anon-warm``: ``client``, ``proxy`` and ``proxy-anon``
   with a daemon that served agents on
-  this server before (``lesson``: as many agents as the run has take turns, two requests each)
+  this server before (``lesson``: the same agents' run, once, with conversations of their own)
   and exited, as a daemon does when its last client leaves: the run's daemon starts from the
-  agent dir's state file (what a switch costs there, learned).
+  agent dir's state file (what a switch costs there, learned);
+- ``client-again``, ``proxy-again``: ``client`` and ``proxy`` on a daemon (and proxy) that is
+  still up after it served the same agents' run, under the same session names, with
+  conversations of their own (a subagent named as before starts its next task).
 Every queued run gets a fresh daemon with the **default config** (only ``logFile`` set, for the
 dead-time figure) on a temporary agent dir.
 
@@ -803,7 +806,7 @@ class Queue:
     """A fresh daemon (default config, plus ``logFile``) on a temporary agent dir, and for the
     proxy modes ``llmqueue proxy`` in front of the upstream, each its own process."""
 
-    def __init__(self, upstream: str, proxy: bool, teach: Optional[Tuple["Workload", str]] = None) -> None:
+    def __init__(self, upstream: str, proxy: bool, teach: Optional[Tuple[str, "Workload", str]] = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="lqagents-", dir="/tmp")
         self.log = os.path.join(self.dir, "events.log")
         with open(os.path.join(self.dir, "llm-queue.json"), "w") as f:
@@ -936,20 +939,17 @@ class LlamaServer:
 # Runs and the table
 # =================================================================================================
 
-ACCESS = ("none", "client", "proxy", "proxy-anon", "client-warm", "proxy-warm", "proxy-anon-warm")
+ACCESS = ("none", "client", "proxy", "proxy-anon", "client-warm", "proxy-warm", "proxy-anon-warm", "client-again",
+          "proxy-again")
 
 
-def lesson(access: Access, wl: Workload, salt: str) -> None:
-    """What a daemon that served your agents before knows: as many agents as the run has (of the
-    run's sizes, conversations of their own), two requests each, one at a time in turn, so that
-    each comes back after all the others."""
-    records: List[Record] = []
-    lock = threading.Lock()
-    teachers = [Agent(f"teach{i}", "child", wl, "lesson" + salt, 0, records, lock) for i in range(wl.children + 1)]
-    for _ in range(2):
-        for agent in teachers:
-            with access.run(agent):
-                agent.ask(access)
+def lesson(access: Access, pattern: str, wl: Workload, salt: str) -> None:
+    """What a daemon that served your agents before knows: the same agents' run, once, the day
+    before (the run's pattern and workload, conversations of their own).  Until December 2026 the
+    lesson was as many agents as the run has taking turns, two requests each, so that each came
+    back after all the others; their contexts were the size of a run's first requests, and a
+    server that kept three of those kept only two of a run's grown ones."""
+    PATTERNS[pattern](access, wl, "lesson" + salt)
 
 
 def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: str,
@@ -957,20 +957,31 @@ def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: 
     """One run of ``pattern`` through ``access_name`` against ``upstream``: its figures.
     ``keep_log``: copy the daemon's event log there (for ``llmqueue report``)."""
     warm = access_name.endswith("-warm")
-    queue = (Queue(upstream, proxy=access_name.startswith("proxy"), teach=(wl, salt) if warm else None)
+    queue = (Queue(upstream, proxy=access_name.startswith("proxy"), teach=(pattern, wl, salt) if warm else None)
              if access_name != "none" else None)
     client: Optional[llmqueue.Client] = None
     access: Access
     try:
         if queue is None:
             access = Access(upstream)
-        elif access_name in ("client", "client-warm"):
+        elif access_name in ("client", "client-warm", "client-again"):
             client = llmqueue.Client(queue.dir, fail_open=False)
             access = ClientAccess(upstream, client)
         else:
             assert queue.proxy_url is not None
-            access = ProxyAccess(upstream, queue.proxy_url, named=access_name in ("proxy", "proxy-warm"))
+            access = ProxyAccess(upstream, queue.proxy_url,
+                                 named=access_name in ("proxy", "proxy-warm", "proxy-again"))
         fn = PATTERNS[pattern]
+        if access_name.endswith("-again"):
+            # the same daemon (and proxy) served the same agents' run before, under the same
+            # session names, with conversations of their own; the run's log is the run's own
+            if pattern == "interactive":
+                fn(access, wl, "before" + salt, background=background)
+            else:
+                fn(access, wl, "before" + salt)
+            time.sleep(0.5)  # the earlier run's last lines reach the log
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(queue.log)
         result = fn(access, wl, salt, background=background) if pattern == "interactive" else fn(access, wl, salt)
         access.close()
         if client is not None:
