@@ -1043,12 +1043,16 @@ class _Affinity:
     def report(self, session: str, prefilled: int, reused: int,
                one_slot: bool = True) -> tuple[Optional[float], int]:
         """One request's counts; the share of its previous prompt it found kept, when another
-        session reported in between (it came back after a switch), else None; and how many other
-        sessions reported since its own last report (its depth)."""
+        session reported in between (it came back after a switch) and its prompt is no shorter
+        than its previous one (the same conversation), else None; and how many other sessions
+        reported since its own last report (its depth)."""
         depth = self.depth(session) if one_slot else 1
         before = self.prompts.pop(session, None)
         kept = None
-        if before and self.last is not None and self.last != session:
+        # A conversation's prompt only grows (its last prompt, the reply, what came since), so a
+        # shorter one is a new conversation under the same session name (a subagent's next task,
+        # or a compacted history): it tells nothing of what the server kept.
+        if before and self.last is not None and self.last != session and prefilled + reused >= before:
             kept = min(1.0, reused / before)
             self.kept.append(kept)
             self.back.append(session)

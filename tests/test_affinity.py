@@ -159,8 +159,9 @@ def teach(client: lq.Client, kept: bool, key: str = K) -> None:
     client.status()  # connected (usage is never sent without a connection: it never blocks)
     client.usage(key, "teach-A", 1000, 0)
     client.usage(key, "teach-B", 1000, 0)
-    client.usage(key, "teach-A", 10, 1000 if kept else 0)
-    client.usage(key, "teach-B", 10, 1000 if kept else 0)
+    # kept: only what came since is prefilled; evicted: all of it again (a prompt only grows)
+    client.usage(key, "teach-A", *((10, 1000) if kept else (1010, 0)))
+    client.usage(key, "teach-B", *((10, 1000) if kept else (1010, 0)))
     want = "cheap" if kept else "dear"
     wait_for(lambda: client.switch_cost(key) == want)
 

@@ -13,7 +13,8 @@ that the slot and the host cache together hold about two of the four agents' con
 - on the default config a fresh queue does not know that yet.  Its first holder gives way at its
   first tool call to find out, and the rotation shows how many contexts the server keeps (two),
   at the price of re-prefills: still less than the server alone.  The next run on the same
-  queue rotates among that many: at most 1.5x the oracle.  (Holding the slot 2 s before the first
+  queue, the same session names on new conversations, rotates among that many: at most 1.3x the
+  oracle.  (Holding the slot 2 s before the first
   probe saved some of those re-prefills, but idled the slot for 12-29% of a run where every
   context fit: seconds matter more than tokens, and the bound is learned once.)
 ``Client`` sessions run on the default config and the default 3 s grace: a parent parked on its
@@ -107,7 +108,7 @@ def test_where_switches_are_dear_client_sessions_prefill_at_most_1_3x_the_oracle
         assert overlaps(sim) == 1
 
 
-def test_a_fresh_queue_learns_how_many_contexts_fit_and_its_next_run_prefills_at_most_1_5x(
+def test_a_fresh_queue_learns_how_many_contexts_fit_and_its_next_run_prefills_at_most_1_3x(
         sim: KVSim, daemon: DaemonProc) -> None:
     with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=0.05, decode_ms=0.3) as alone:
         without = prefill_ratio(run_delegate(agents.Access(alone.url)))
@@ -115,8 +116,13 @@ def test_a_fresh_queue_learns_how_many_contexts_fit_and_its_next_run_prefills_at
     assert first < without
     (q,) = daemon.status()
     assert q["affinity"]["contexts"] == 2  # the slot's, and the one more the host cache holds
-    second = prefill_ratio(client_run(sim, daemon, salt="another"))  # new conversations, the same queue
-    assert second <= 1.5
+    # New conversations, the same queue and the same session names: each agent's first prompt is
+    # shorter than its last one, a new conversation and no eviction, so the lesson stands.
+    # (Taken for evictions, they taught a bound of one context and dear switches: 1.35x.)
+    second = prefill_ratio(client_run(sim, daemon, salt="another"))
+    (q,) = daemon.status()
+    assert q["affinity"]["contexts"] == 2 and q["affinity"]["switchCost"] == "cheap"
+    assert second <= 1.3  # 1.19x: the parent's own context, evicted while three subagents ran
     assert overlaps(sim) == 1
 
 

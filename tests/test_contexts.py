@@ -115,6 +115,22 @@ def test_core_the_depth_of_each_return_goes_with_its_usage_and_the_bound_shows_i
     assert s.usage(K, "B", 10, 1010).depth == 2 and affinity(s)["contexts"] == 3  # kept past it
 
 
+def test_core_a_session_whose_prompt_shrank_started_a_new_conversation_and_is_no_return() -> None:
+    """A conversation's prompt only grows, so a session that reports a shorter prompt than its
+    last (a subagent named as before, on its next task) started over: its few reused tokens are
+    no eviction, and what the queue learned stands."""
+    s = taught()
+    before = affinity(s)
+    assert before == {"switchCost": "cheap", "returns": 3, "kept": 0.667, "contexts": 2}
+    for who in ("C", "B", "A"):  # each one's next task: a fresh prompt, shorter than its last
+        used = s.usage(K, who, 600, 2)
+        assert used.kept is None and used.depth is None
+    assert affinity(s) == before
+    # ...and its next request is a return as any other: C's 602, kept after B and A
+    back = s.usage(K, "C", 10, 602)
+    assert back.kept == 1.0 and back.depth == 2 and affinity(s)["returns"] == 4
+
+
 def test_core_a_gap_park_gives_the_slot_to_a_waiter_whose_context_is_kept_before_one_that_would_evict() -> None:
     s = taught()
     s.acquire("a", K, "A", "child", now=T0)
@@ -359,6 +375,27 @@ def test_a_gap_park_over_the_socket_keeps_the_slot_from_a_waiter_that_would_evic
         assert depths == [None, None, 1, 1, None, 2]
 
 
+def test_a_client_session_named_as_before_on_a_new_task_is_no_return_over_the_socket() -> None:
+    """``Client.usage`` for a session whose prompt is shorter than its last: no ``kept`` in the
+    log's usage line, and the queue's ``affinity`` (the switch cost, the bound) stays as taught."""
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log}}):
+        p = d.peer()
+        teach(p)
+        assert p.ask({"op": "acquire", "queueKey": K, "sessionKey": "Z"})["op"] == "granted"  # listed in status
+        taught_as = {"switchCost": "cheap", "returns": 3, "kept": 0.667, "contexts": 2}
+        assert d.queue(K)["affinity"] == taught_as
+        with client_of(d) as client:
+            client.status()  # connected: usage is never sent without a connection (it never blocks)
+            for who in ("C", "B", "A"):  # each one's next task
+                client.usage(K, who, 600, 2)
+            wait_for(lambda: len([e for e in log_lines(log) if e["event"] == "usage"]) == len(LESSON) + 3)
+            assert d.queue(K)["affinity"] == taught_as
+            assert client.switch_cost(K) == "cheap"
+        fresh = [e for e in log_lines(log) if e["event"] == "usage"][len(LESSON):]
+        assert [("kept" in e, "depth" in e) for e in fresh] == [(False, False)] * 3
+
+
 def test_a_bad_gap_field_is_an_error_reply_that_changes_nothing() -> None:
     for d in started():
         a, b = d.peer(), d.peer()
@@ -472,13 +509,19 @@ def test_property_the_rotation_among_kept_contexts_never_loses_a_waiter_or_overf
     now = T0
     parked: Dict[str, bool] = {}  # holder -> parked in a gap
     away: Dict[str, float] = {}  # gave its slot up in a gap park, and when
+    prompt: Dict[str, int] = {}  # each session's prompt so far, in tokens
+    if lesson:
+        for who, prefilled, reused in LESSON:
+            prompt[{"A": "s0", "B": "s1", "C": "s2"}[who]] = prefilled + reused
     for op in ops:
         now += 1
         if op[0] == "wait":
             now += op[1]
             continue
-        if op[0] == "usage":
-            s.usage(K, op[1], 10, 1000) if op[2] else s.usage(K, op[1], 1000, 0)
+        if op[0] == "usage":  # a prompt grows by 10 a request: kept, or all of it prefilled again
+            size = prompt.get(op[1], 990)
+            s.usage(K, op[1], 10, size) if op[2] else s.usage(K, op[1], size + 10, 0)
+            prompt[op[1]] = size + 10
             continue
         if op[0] == "park":
             still, events = s.park(K, op[1], now=now, gap=op[2])

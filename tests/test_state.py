@@ -37,7 +37,7 @@ def learn(d: DaemonProc, kept: bool) -> None:
     for session in ("A", "B"):
         assert p.ask(usage(session, 1000, 0))["op"] == "ok"
     for session in ("A", "B"):
-        reply = p.ask(usage(session, 10, 1000 if kept else 0))
+        reply = p.ask(usage(session, *((10, 1000) if kept else (1010, 0))))  # evicted: all of it again
     assert reply["switchCost"] == ("cheap" if kept else "dear")
 
 
@@ -66,7 +66,7 @@ def test_a_new_daemon_knows_what_the_last_one_learned() -> None:
             assert p.ask(usage("C", 500, 0))["switchCost"] == "cheap"  # its very first report
             # What it learns now goes on top: one eviction, and switches are dear (and saved so).
             p.ask(usage("D", 500, 0))
-            assert p.ask(usage("C", 10, 0))["switchCost"] == "dear"
+            assert p.ask(usage("C", 510, 0))["switchCost"] == "dear"  # its 500 and 10 more, all prefilled
             wait_for(lambda: state_of(agent_dir)["affinity"][K]["kept"] == [1.0, 1.0, 0.0])
         with DaemonProc(agent_dir) as d:
             d.start()
@@ -148,5 +148,5 @@ def test_what_a_daemon_learns_itself_outweighs_what_it_was_seeded_with() -> None
     s.seed_affinity({K: [1.0, 1.0, 1.0, 1.0]})
     assert s.usage(K, "A", 1000, 0).switch_cost == "cheap"
     s.usage(K, "B", 1000, 0)
-    assert s.usage(K, "A", 10, 0).switch_cost == "dear"  # its own eviction, newer than the seed
+    assert s.usage(K, "A", 1010, 0).switch_cost == "dear"  # its own eviction, newer than the seed
     assert s.affinity_kept() == {K: [1.0, 1.0, 1.0, 0.0]}
