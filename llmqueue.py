@@ -1360,7 +1360,13 @@ class Scheduler:
             q.named_children = True
         earned = session in q.resumers  # used by this acquire, or lost: earned for the next one only
         q.resumers.pop(session, None)
-        q.away.pop(session, None)  # back: it holds or waits from here
+        since = q.away.pop(session, None)  # back: it holds or waits from here
+        if since is not None and now - since <= GRACE_MS and (tier == CHILD or not q.named_children):
+            # back from the tool call it gave its slot up for: as long as that took.  Where every
+            # holder gives way at its gaps nobody keeps a slot through one, and these are the only
+            # tool calls the queue sees (without them a context given up in a gap counted as in
+            # use for the whole grace, and a holder at its run's end kept the slot idle for it)
+            q.gaps.append(now - since)
         holder = q.holder_for(key, session)
         if holder is not None:
             self._attach(holder, conn)

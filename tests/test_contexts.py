@@ -196,6 +196,33 @@ def test_core_a_persons_think_time_is_no_tool_call_and_does_not_lengthen_the_in_
     assert granted(s.acquire("e", K, "E", "parent", now=T0 + 4010 + 960, background=True)) == ["B"]
 
 
+def test_core_a_subagent_back_from_the_tool_call_it_gave_its_slot_up_for_tells_how_long_tool_calls_take() -> None:
+    """Where every holder gives way at its gaps, nobody keeps a slot through one: the time from a
+    child's hand-over in a gap to its next acquire is its tool call, and the queue's tool calls
+    take that long (a context given up in a gap is in use for 1.5x plus 0.2 s, no longer the
+    whole grace).  Not a person's: a parent that gave way between turns thought meanwhile."""
+    for person in (False, True):
+        s = taught()
+        who, role = ("P", "parent") if person else ("X", "child")
+        s.acquire("x", K, who, role, now=T0)
+        s.acquire("y", K, "Y", "child", now=T0 + 50)
+        assert granted(s.park(K, who, now=T0 + 100, gap=True)[1]) == ["Y"]  # gave way in its gap
+        s.acquire("x", K, who, role, now=T0 + 600)  # back 500 ms later: queued behind Y
+        s.release(K, "Y", now=T0 + 650)
+        s.release(K, who, now=T0 + 700)
+        if person:  # a person's gap may be think time, no tool call: the grace still
+            t = T0 + 4000
+            s.acquire("c", K, "C", "child", now=t)
+            s.acquire("a", K, "A", "child", now=t)
+            assert granted(s.park(K, "C", now=t + 10, gap=True)[1]) == ["A"]
+            s.acquire("b", K, "B", "child", now=t + 20)
+            assert s.park(K, "A", now=t + 30, gap=True) == (True, [])
+            assert granted(s.acquire("e", K, "E", "child", now=t + 10 + 960)) == []  # C's in use
+            assert granted(s.acquire("f", K, "F", "child", now=t + 10 + lq.GRACE_MS + 1)) == ["B"]
+        else:
+            assert_in_use_for_950_ms(s, T0 + 4000)
+
+
 def assert_in_use_for_950_ms(s: lq.Scheduler, t: float) -> None:
     """C gives its slot to A in a tool-call gap at ``t + 10``; A's own gap keeps it from B, whose
     run would evict C's context, for as long as C's counts as in use: 950 ms."""
