@@ -1041,18 +1041,20 @@ class _Affinity:
         self.prober: Optional[str] = None  # the session that gave way then: its return tells
 
     def report(self, session: str, prefilled: int, reused: int,
-               one_slot: bool = True) -> tuple[Optional[float], int]:
+               one_slot: bool = True, whole: bool = True) -> tuple[Optional[float], int]:
         """One request's counts; the share of its previous prompt it found kept, when another
         session reported in between (it came back after a switch) and its prompt is no shorter
         than its previous one (the same conversation), else None; and how many other sessions
-        reported since its own last report (its depth)."""
+        reported since its own last report (its depth).  ``whole``: the two counts are the whole
+        prompt (both were given); a report of one of them alone cannot say it is shorter."""
         depth = self.depth(session) if one_slot else 1
         before = self.prompts.pop(session, None)
         kept = None
         # A conversation's prompt only grows (its last prompt, the reply, what came since), so a
         # shorter one is a new conversation under the same session name (a subagent's next task,
         # or a compacted history): it tells nothing of what the server kept.
-        if before and self.last is not None and self.last != session and prefilled + reused >= before:
+        if (before and self.last is not None and self.last != session
+                and (prefilled + reused >= before or not whole)):
             kept = min(1.0, reused / before)
             self.kept.append(kept)
             self.back.append(session)
@@ -1119,7 +1121,7 @@ class _Queue:
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
         "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents", "resumers",
-        "gaps", "named_children", "away", "people",
+        "gaps", "named_children", "away", "away_gap", "people",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -1161,6 +1163,9 @@ class _Queue:
         # sessions that gave their slot up in a tool-call gap (a ``gap`` park) and have not queued
         # again, and when: their contexts are still in use for a while (``in_use``)
         self.away: OrderedDict[str, float] = OrderedDict()
+        # and when each one's gap began (its last request's end): from there to its next acquire
+        # is its tool call
+        self.away_gap: dict[str, float] = {}
         # the parents waiting with a person behind them (not ``background``), oldest first: a
         # heap beside the parents' own, its dead entries dropped lazily as there (``person_waits``)
         self.people: list[tuple[int, int, Waiter]] = []
@@ -1218,11 +1223,19 @@ class _Queue:
         since = self.away.get(session)
         return since is not None and now - since <= self.tool_call_ms()
 
-    def went_away(self, session: str, now: float) -> None:
+    def went_away(self, session: str, now: float, gap_began: Optional[float] = None) -> None:
         self.away.pop(session, None)
         self.away[session] = now
+        self.away_gap[session] = now if gap_began is None else min(gap_began, now)
         while len(self.away) > 64:
-            self.away.popitem(last=False)
+            gone, _ = self.away.popitem(last=False)
+            self.away_gap.pop(gone, None)
+
+    def came_back(self, session: str) -> Optional[float]:
+        """``session`` holds or waits again: no longer away.  When the gap it gave its slot up in
+        began, if it was away."""
+        self.away.pop(session, None)
+        return self.away_gap.pop(session, None)
 
     def may_resume(self, session: str) -> None:
         self.resumers.pop(session, None)
@@ -1360,13 +1373,14 @@ class Scheduler:
             q.named_children = True
         earned = session in q.resumers  # used by this acquire, or lost: earned for the next one only
         q.resumers.pop(session, None)
-        since = q.away.pop(session, None)  # back: it holds or waits from here
-        if since is not None and now - since <= GRACE_MS and (tier == CHILD or not q.named_children):
-            # back from the tool call it gave its slot up for: as long as that took.  Where every
-            # holder gives way at its gaps nobody keeps a slot through one, and these are the only
-            # tool calls the queue sees (without them a context given up in a gap counted as in
-            # use for the whole grace, and a holder at its run's end kept the slot idle for it)
-            q.gaps.append(now - since)
+        began = q.came_back(session)  # back: it holds or waits from here
+        if began is not None and now - began <= GRACE_MS and (tier == CHILD or not q.named_children):
+            # back from the tool call it gave its slot up for: as long as that took, from its
+            # last request's end (a hand-over may come late in the gap).  Where every holder gives
+            # way at its gaps nobody keeps a slot through one, and these are the only tool calls
+            # the queue sees (without them a context given up in a gap counted as in use for the
+            # whole grace, and a holder at its run's end kept the slot idle for it)
+            q.gaps.append(now - began)
         holder = q.holder_for(key, session)
         if holder is not None:
             self._attach(holder, conn)
@@ -1462,9 +1476,10 @@ class Scheduler:
             self._refresh(holder, now, activity=False)
         return len(leases)
 
-    def usage(self, key: str, session: str, prefilled: int, reused: int) -> Usage:
+    def usage(self, key: str, session: str, prefilled: int, reused: int, whole: bool = True) -> Usage:
         """A request's token counts (the additive ``usage`` op): added to the queue's running
-        totals (``status``), and logged tied to the grant the session holds there, if any."""
+        totals (``status``), and logged tied to the grant the session holds there, if any.
+        ``whole``: both counts were given, so together they are the whole prompt."""
         resolved = self.addressing.address_endpoint(key)[0]
         q = self._queues.get(resolved)
         holder = q.holder_for(key, session) if q else None
@@ -1480,7 +1495,7 @@ class Scheduler:
         # session's slot: an eviction there tells no bound, and counts as after one other
         policy = q.policy if q else self.addressing.address_endpoint(key)[1]
         one_slot = policy.max_streams == 1 and not (q and q.spares)
-        kept, depth = affinity.report(session, prefilled, reused, one_slot)
+        kept, depth = affinity.report(session, prefilled, reused, one_slot, whole)
         setting = policy.switch_cost
         return Usage(resolved, session, prefilled, reused, holder.seq if holder else None, kept,
                      affinity.cost(setting), depth if kept is not None else None)
@@ -2073,9 +2088,9 @@ class Scheduler:
             else:
                 target = nxt
             if holder.gap or not holder.parked:  # between two requests: its context is in use meanwhile
-                q.went_away(holder.session, now)
+                q.went_away(holder.session, now, holder.idle_since)
             else:
-                q.away.pop(holder.session, None)
+                q.came_back(holder.session)  # for good: done with, not away
             if holder.parked:
                 q.park_yields += 1
             else:
@@ -2905,7 +2920,8 @@ class Daemon:
             self._apply(sched.set_role(session, req.role, now=now))
         elif op == "usage":
             assert req.queue_key is not None
-            used = sched.usage(req.queue_key, session, req.prefilled or 0, req.reused or 0)
+            used = sched.usage(req.queue_key, session, req.prefilled or 0, req.reused or 0,
+                               req.prefilled is not None and req.reused is not None)
             self._apply([used])
             self._send(c, encode_usage(req.queue_key, req.session_key, used.switch_cost))
         elif op == "status":

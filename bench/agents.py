@@ -979,7 +979,9 @@ def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: 
                 fn(access, wl, "before" + salt, background=background)
             else:
                 fn(access, wl, "before" + salt)
-            time.sleep(0.5)  # the earlier run's last lines reach the log
+            # the earlier run's sessions settle (their grace) and its last lines reach the log:
+            # a lease carried over would have no grant in the run's own log
+            time.sleep(llmqueue.GRACE_MS / 1000.0 + 0.5)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(queue.log)
         result = fn(access, wl, salt, background=background) if pattern == "interactive" else fn(access, wl, salt)

@@ -200,7 +200,9 @@ def test_core_a_subagent_back_from_the_tool_call_it_gave_its_slot_up_for_tells_h
     """Where every holder gives way at its gaps, nobody keeps a slot through one: the time from a
     child's hand-over in a gap to its next acquire is its tool call, and the queue's tool calls
     take that long (a context given up in a gap is in use for 1.5x plus 0.2 s, no longer the
-    whole grace).  Not a person's: a parent that gave way between turns thought meanwhile."""
+    whole grace).  Not a person's where subagents are named: a parent that gave way between turns
+    thought meanwhile.  Where none is named, every agent is a parent, and its gaps are what there
+    is: they count."""
     for person in (False, True):
         s = taught()
         who, role = ("P", "parent") if person else ("X", "child")
@@ -221,18 +223,55 @@ def test_core_a_subagent_back_from_the_tool_call_it_gave_its_slot_up_for_tells_h
             assert granted(s.acquire("f", K, "F", "child", now=t + 10 + lq.GRACE_MS + 1)) == ["B"]
         else:
             assert_in_use_for_950_ms(s, T0 + 4000)
+    s = taught()  # nothing named: parents only
+    s.acquire("x", K, "X", "parent", now=T0)
+    s.acquire("y", K, "Y", "parent", now=T0 + 50)
+    assert granted(s.park(K, "X", now=T0 + 100, gap=True)[1]) == ["Y"]
+    s.acquire("x", K, "X", "parent", now=T0 + 600)
+    s.release(K, "Y", now=T0 + 650)
+    s.release(K, "X", now=T0 + 700)
+    assert_in_use_for_950_ms(s, T0 + 4000)
 
 
-def assert_in_use_for_950_ms(s: lq.Scheduler, t: float) -> None:
+def assert_in_use_for_950_ms(s: lq.Scheduler, t: float, ms: float = 950) -> None:
     """C gives its slot to A in a tool-call gap at ``t + 10``; A's own gap keeps it from B, whose
-    run would evict C's context, for as long as C's counts as in use: 950 ms."""
+    run would evict C's context, for as long as C's counts as in use: 950 ms (or ``ms``)."""
     s.acquire("c", K, "C", "child", now=t)
     s.acquire("a", K, "A", "child", now=t)
     assert granted(s.park(K, "C", now=t + 10, gap=True)[1]) == ["A"]  # C in its tool call
     s.acquire("b", K, "B", "child", now=t + 20)
     assert s.park(K, "A", now=t + 30, gap=True) == (True, [])  # kept: B's run would evict C's
-    assert granted(s.acquire("d", K, "D", "child", now=t + 10 + 940)) == []  # C's still in use
-    assert granted(s.acquire("e", K, "E", "child", now=t + 10 + 960)) == ["B"]  # done with
+    assert granted(s.acquire("d", K, "D", "child", now=t + 10 + ms - 10)) == []  # C's still in use
+    assert granted(s.acquire("e", K, "E", "child", now=t + 10 + ms + 10)) == ["B"]  # done with
+
+
+def test_core_a_tool_call_is_measured_from_its_gaps_start_however_late_the_hand_over() -> None:
+    """The slot may change hands late in a gap (a parent came, or a context it was kept for is
+    done with): the tool call runs from the holder's last request's end to its next acquire.  A
+    child that handed back 900 ms into a 1,400 ms tool call: in use for 2,300 ms (1.5x plus
+    0.2 s), not 950.  One kept 3 s for another's context, back 270 ms after the hand-over, was
+    away past the grace: no tool call (counted, its 3.27 s would outweigh the 500 ms ones after
+    it, and every context given up in a gap would count as in use for the whole grace)."""
+    s = taught()
+    s.acquire("x", K, "X", "child", now=T0)
+    assert s.handback(K, "X", now=T0 + 100) == (True, [])  # its request ended; nobody waits
+    assert granted(s.acquire("p", K, "P", "parent", now=T0 + 1000)) == ["P"]  # a parent takes it
+    s.acquire("x", K, "X", "child", now=T0 + 1500)  # back: its tool call took 1,400 ms
+    s.release(K, "P", now=T0 + 1600)
+    s.release(K, "X", now=T0 + 1700)
+    assert_in_use_for_950_ms(s, T0 + 5000, ms=2300)
+    s = kept_for_c()  # A parked in its gap at T0 + 30, kept from B while C's context is in use
+    assert granted(s.sweep(now=T0 + 10 + lq.GRACE_MS + 2)) == ["B"]  # C's done with: B goes
+    s.acquire("a", K, "A", "child", now=T0 + 3300)  # 3.27 s since its gap began
+    s.release(K, "B", now=T0 + 3400)
+    s.release(K, "A", now=T0 + 3500)
+    s.acquire("x", K, "X", "child", now=T0 + 4000)
+    s.acquire("y", K, "Y", "child", now=T0 + 4050)
+    assert granted(s.park(K, "X", now=T0 + 4100, gap=True)[1]) == ["Y"]
+    s.acquire("x", K, "X", "child", now=T0 + 4600)  # a 500 ms tool call
+    s.release(K, "Y", now=T0 + 4700)
+    s.release(K, "X", now=T0 + 4800)
+    assert_in_use_for_950_ms(s, T0 + 8000)
 
 
 def test_core_the_sweep_looks_again_once_the_context_a_gap_was_kept_for_is_done_with() -> None:
@@ -421,6 +460,17 @@ def test_a_client_session_named_as_before_on_a_new_task_is_no_return_over_the_so
             assert client.switch_cost(K) == "cheap"
         fresh = [e for e in log_lines(log) if e["event"] == "usage"][len(LESSON):]
         assert [("kept" in e, "depth" in e) for e in fresh] == [(False, False)] * 3
+
+
+def test_a_report_of_one_count_alone_is_a_return_whatever_its_size() -> None:
+    """The usage op takes either count alone.  ``reused`` alone is no whole prompt, so it cannot
+    say that the prompt is shorter: it is a return as before (C's 5 tokens of its 1,000, after
+    A: an eviction after one other, so switches are dear)."""
+    for d in started():
+        p = d.peer()
+        teach(p)
+        reply = p.ask({"op": "usage", "queueKey": K, "sessionKey": "C", "reused": 5})
+        assert reply["op"] == "ok" and reply["switchCost"] == "dear"
 
 
 def test_a_bad_gap_field_is_an_error_reply_that_changes_nothing() -> None:
