@@ -1121,7 +1121,7 @@ class _Queue:
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
         "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents", "resumers",
-        "gaps", "named_children", "away", "away_gap", "people",
+        "gaps", "named_children", "away", "people",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -1161,11 +1161,10 @@ class _Queue:
         # parent, and theirs are what there is)
         self.named_children = False
         # sessions that gave their slot up in a tool-call gap (a ``gap`` park) and have not queued
-        # again, and when: their contexts are still in use for a while (``in_use``)
-        self.away: OrderedDict[str, float] = OrderedDict()
-        # and when each one's gap began (its last request's end): from there to its next acquire
-        # is its tool call
-        self.away_gap: dict[str, float] = {}
+        # again: when, and when the gap began (their last request's end).  Their contexts are
+        # still in use for a while (``in_use``); from the gap's start to the next acquire is a
+        # tool call (``tool_call``)
+        self.away: OrderedDict[str, tuple[float, float]] = OrderedDict()
         # the parents waiting with a person behind them (not ``background``), oldest first: a
         # heap beside the parents' own, its dead entries dropped lazily as there (``person_waits``)
         self.people: list[tuple[int, int, Waiter]] = []
@@ -1215,27 +1214,34 @@ class _Queue:
         from the holders' recent gaps (``tool_gap_window``); the grace while none is known."""
         return 1000.0 * tool_gap_window([g / 1000.0 for g in self.gaps], GRACE_MS / 1000.0)
 
+    def tool_call(self, ms: float, role: int) -> None:
+        """A holder's gap of ``ms`` ended in its next request: a tool call's length, if no longer
+        than the grace (a longer one was none).  Not a person's think time where subagents are
+        named: a person that kept the slot through 2 s of thought made every context given up in
+        a gap count as in use for the whole grace, and the slot was kept idle for contexts long
+        done with.  Where none is named, every agent is a parent, and its gaps are what there is."""
+        if ms <= GRACE_MS and (role == CHILD or not self.named_children):
+            self.gaps.append(ms)
+
     def in_use(self, session: str, now: float) -> bool:
         """Whether ``session``'s context is still in use here: it holds, waits, or gave way in a
         tool-call gap no longer ago than the queue's tool calls take."""
         if session in self.holders or session in self.waiting:
             return True
-        since = self.away.get(session)
-        return since is not None and now - since <= self.tool_call_ms()
+        away = self.away.get(session)
+        return away is not None and now - away[0] <= self.tool_call_ms()
 
     def went_away(self, session: str, now: float, gap_began: Optional[float] = None) -> None:
         self.away.pop(session, None)
-        self.away[session] = now
-        self.away_gap[session] = now if gap_began is None else min(gap_began, now)
+        self.away[session] = (now, now if gap_began is None else min(gap_began, now))
         while len(self.away) > 64:
-            gone, _ = self.away.popitem(last=False)
-            self.away_gap.pop(gone, None)
+            self.away.popitem(last=False)
 
     def came_back(self, session: str) -> Optional[float]:
         """``session`` holds or waits again: no longer away.  When the gap it gave its slot up in
         began, if it was away."""
-        self.away.pop(session, None)
-        return self.away_gap.pop(session, None)
+        away = self.away.pop(session, None)
+        return away[1] if away is not None else None
 
     def may_resume(self, session: str) -> None:
         self.resumers.pop(session, None)
@@ -1374,13 +1380,13 @@ class Scheduler:
         earned = session in q.resumers  # used by this acquire, or lost: earned for the next one only
         q.resumers.pop(session, None)
         began = q.came_back(session)  # back: it holds or waits from here
-        if began is not None and now - began <= GRACE_MS and (tier == CHILD or not q.named_children):
-            # back from the tool call it gave its slot up for: as long as that took, from its
-            # last request's end (a hand-over may come late in the gap).  Where every holder gives
-            # way at its gaps nobody keeps a slot through one, and these are the only tool calls
-            # the queue sees (without them a context given up in a gap counted as in use for the
-            # whole grace, and a holder at its run's end kept the slot idle for it)
-            q.gaps.append(now - began)
+        if began is not None:
+            # back from the tool call it gave its slot up for, from its last request's end (a
+            # hand-over may come late in the gap).  Where every holder gives way at its gaps
+            # nobody keeps a slot through one, and these are the only tool calls the queue sees
+            # (without them a context given up in a gap counted as in use for the whole grace,
+            # and a holder at its run's end kept the slot idle for it)
+            q.tool_call(now - began, tier)
         holder = q.holder_for(key, session)
         if holder is not None:
             self._attach(holder, conn)
@@ -1911,13 +1917,8 @@ class Scheduler:
             holder.last_activity = now
             q = holder.queue
             if holder.parked or holder.handback:  # work resumed
-                # a tool call's length, a gap's that ended in a park too (a longer one was none);
-                # not a person's think time: a person that kept the slot through 2 s of thought
-                # made every context given up in a gap count as in use for the whole grace, and
-                # the slot was kept idle for contexts long done with
-                if (holder.idle_since is not None and now - holder.idle_since <= GRACE_MS
-                        and (holder.role == CHILD or not q.named_children)):
-                    q.gaps.append(now - holder.idle_since)
+                if holder.idle_since is not None:  # a gap's that ended in a park too
+                    q.tool_call(now - holder.idle_since, holder.role)
                 holder.parked = holder.handback = holder.gap = False
                 q.parked.pop(holder, None)
                 self._busy(holder, now)
@@ -2118,9 +2119,10 @@ class Scheduler:
         an event of its own when that changes.)"""
         affinity = self._affinity.get(q.key)
         resident = affinity.resident() if affinity is not None else []
-        since = q.away.get(resident[-1]) if resident else None
-        if since is None:
+        away = q.away.get(resident[-1]) if resident else None
+        if away is None:
             return
+        since = away[0]
         when = since + q.tool_call_ms() + 1.0
         if when <= now:  # pragma: no cover - an away context past its time is in use no longer
             return
