@@ -147,6 +147,15 @@ KEPT_SAMPLES = 4  # the most recent returns that must all have (at least 2 of th
 # One evicted at depth 1 (a single other session ran) is a dear switch; one evicted deeper only
 # bounds how many contexts the server keeps (``_Affinity.contexts``).  Counted this far at most.
 MAX_DEPTH = 64
+# A person's turn is over (a parent's park with ``turn``): its context stays in use while the
+# person thinks, so where the server keeps only so many contexts the subagents share the rest
+# and the person's next turn finds its context kept.  For as long as the person's recent think
+# times say (1.5x the longest of the last three, plus 0.2 s), this long while none is known yet,
+# and never longer than the cap: a person that walked away costs the subagents that long at most.
+# Measured on a real llama-server whose host cache holds two contexts, a person beside three
+# subagents: without it every turn re-prefilled the person's whole conversation.
+THINK_DEFAULT_MS = 30_000
+THINK_MAX_MS = 120_000
 STATE_FILE = "llm-queue-state.json"  # in the agent dir: what a switch costs, learned, for the next daemon
 STATE_KEEP_S = 7 * 24 * 3600.0  # a queue's learned switch cost older than this is forgotten
 
@@ -808,7 +817,7 @@ class Holder:
     __slots__ = (
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
         "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
-        "idle_since", "dead_ms", "spare", "handback", "gap",
+        "idle_since", "dead_ms", "spare", "handback", "gap", "turn",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
@@ -835,6 +844,10 @@ class Holder:
         # back, so where the server keeps only so many contexts its slot goes only to a waiter
         # whose run evicts no context still in use (``Scheduler._gap_target``).
         self.gap = False
+        # A parent parked at the end of its turn (the park's ``turn``): a person answers next, and
+        # its context is in use meanwhile (``_Queue.thinking``), so its slot goes, as a gap's
+        # does, only to a waiter whose run evicts no context in use.
+        self.turn = False
         self.spare = spare  # on one of the queue's spare streams (parents only), not one of max_streams
         self.json = _who_json(session, role, group, spare)  # its entry in status replies
         # Dead time: since when it has had no request in flight (``busy: false``, or parked), and
@@ -1121,7 +1134,7 @@ class _Queue:
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
         "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents", "resumers",
-        "gaps", "named_children", "away", "people",
+        "gaps", "named_children", "away", "thinking", "thinks", "people",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -1165,6 +1178,11 @@ class _Queue:
         # still in use for a while (``in_use``); from the gap's start to the next acquire is a
         # tool call (``tool_call``)
         self.away: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        # parents whose turn is over (a park with ``turn``) and that have not come back: since
+        # when (their last request's end).  Their contexts are in use while their person thinks
+        # (``think_ms``); from then to their next acquire is a think time (``thinks``)
+        self.thinking: OrderedDict[str, float] = OrderedDict()
+        self.thinks: deque[float] = deque(maxlen=3)
         # the parents waiting with a person behind them (not ``background``), oldest first: a
         # heap beside the parents' own, its dead entries dropped lazily as there (``person_waits``)
         self.people: list[tuple[int, int, Waiter]] = []
@@ -1223,13 +1241,47 @@ class _Queue:
         if ms <= GRACE_MS and (role == CHILD or not self.named_children):
             self.gaps.append(ms)
 
+    def think_ms(self) -> float:
+        """How long a person's context stays in use after their turn: 1.5x the longest of their
+        recent think times plus 0.2 s, ``THINK_DEFAULT_MS`` while none is known, at most
+        ``THINK_MAX_MS``."""
+        if not self.thinks:
+            return float(THINK_DEFAULT_MS)
+        return min(float(THINK_MAX_MS), 1.5 * max(self.thinks) + 200.0)
+
     def in_use(self, session: str, now: float) -> bool:
-        """Whether ``session``'s context is still in use here: it holds, waits, or gave way in a
-        tool-call gap no longer ago than the queue's tool calls take."""
+        """Whether ``session``'s context is still in use here: it holds, waits, gave way in a
+        tool-call gap no longer ago than the queue's tool calls take, or ended its turn no longer
+        ago than its person thinks."""
         if session in self.holders or session in self.waiting:
             return True
         away = self.away.get(session)
-        return away is not None and now - away[0] <= self.tool_call_ms()
+        if away is not None and now - away[0] <= self.tool_call_ms():
+            return True
+        since = self.thinking.get(session)
+        return since is not None and now - since <= self.think_ms()
+
+    def in_use_until(self, session: str) -> Optional[float]:
+        """When a context given up in a gap, or a person's between turns, stops being in use."""
+        away = self.away.get(session)
+        since = self.thinking.get(session)
+        ends = [t for t in (away[0] + self.tool_call_ms() if away else None,
+                            since + self.think_ms() if since is not None else None) if t is not None]
+        return max(ends) if ends else None
+
+    def turn_over(self, session: str, since: float) -> None:
+        """A parent's turn ended at ``since``: its person thinks from then."""
+        self.thinking.pop(session, None)
+        self.thinking[session] = since
+        while len(self.thinking) > 64:
+            self.thinking.popitem(last=False)
+
+    def turn_begins(self, session: str, now: float) -> None:
+        """``session`` is back (it asks, or works again): a person's think time ends, if it was
+        thinking, and counts (a longer one than ``THINK_MAX_MS`` was no think time)."""
+        since = self.thinking.pop(session, None)
+        if since is not None and now - since <= THINK_MAX_MS:
+            self.thinks.append(max(0.0, now - since))
 
     def went_away(self, session: str, now: float, gap_began: Optional[float] = None) -> None:
         self.away.pop(session, None)
@@ -1331,6 +1383,9 @@ class Scheduler:
         self._grant_seq = 0
         self._conn_leases: dict[Any, set[Holder]] = {}
         self._conn_waiters: dict[Any, set[Waiter]] = {}
+        # the people whose turn a connection ended (``park`` with ``turn``): when it closes, nobody
+        # comes back to their contexts
+        self._conn_thinkers: dict[Any, set[tuple[_Queue, str]]] = {}
         self._session_waiters: dict[str, set[Waiter]] = {}
         self._held = 0  # live holders, to keep the lazy heaps compact
         self._ttl_heap: list[tuple[float, int, Holder]] = []
@@ -1380,6 +1435,7 @@ class Scheduler:
         earned = session in q.resumers  # used by this acquire, or lost: earned for the next one only
         q.resumers.pop(session, None)
         began = q.came_back(session)  # back: it holds or waits from here
+        q.turn_begins(session, now)  # a person's next turn: their think time ends
         if began is not None:
             # back from the tool call it gave its slot up for, from its last request's end (a
             # hand-over may come late in the gap).  Where every holder gives way at its gaps
@@ -1571,14 +1627,19 @@ class Scheduler:
             self._idle(holder, now)
         return True
 
-    def park(self, key: str, session: str, *, now: float, gap: bool = False) -> tuple[bool, list[Event]]:
+    def park(self, key: str, session: str, *, now: float, gap: bool = False,
+             turn: bool = False) -> tuple[bool, list[Event]]:
         """A keyed beat that says the holder waits on another agent (``parked``): its TTL is
         refreshed, and its slot goes to a waiter at once -- one queued now, or the first to come
         while it stays parked.  A parked holder nobody needs keeps its slot (no switch); its
         next activity beat un-parks it.  ``gap`` (additive): it parked between two requests of
         its run, for a tool call, and comes back; where the queue learned that the server keeps
         only so many contexts, its slot goes only to a waiter whose run evicts none still in use
-        (``_gap_target``).  Returns (still held, events)."""
+        (``_gap_target``).  ``turn`` (additive, a parent's): its turn is over and a person answers
+        next; its context is in use while the person thinks (``_Queue.think_ms``), so its slot
+        goes, as a gap's does, only to a waiter whose run evicts no context in use, and the
+        subagents' gaps keep theirs from a waiter whose run would evict it.  Returns (still held,
+        events)."""
         q = self._find(key)
         holder = q.holder_for(key, session) if q else None
         if q is None or holder is None:
@@ -1586,7 +1647,12 @@ class Scheduler:
         self._refresh(holder, now, activity=False)
         holder.parked = True
         holder.gap = gap
+        holder.turn = turn and not gap and holder.role == PARENT
         holder.handback = False
+        if holder.turn:
+            q.turn_over(session, holder.idle_since if holder.idle_since is not None else now)
+            for conn in holder.conns:
+                self._conn_thinkers.setdefault(conn, set()).add((q, session))
         return self._step_aside(q, holder, now)
 
     def _step_aside(self, q: _Queue, holder: Holder, now: float) -> tuple[bool, list[Event]]:
@@ -1633,6 +1699,8 @@ class Scheduler:
                 self._drop_waiter(w)
                 events.append(Dequeued(w.queue.key, w, "disconnect"))
                 touched.append(w.queue)
+        for q, session in self._conn_thinkers.pop(conn, ()):  # its people are gone with it
+            q.thinking.pop(session, None)
         for holder in self._conn_leases.pop(conn, ()):
             holder.conns.discard(conn)
             if not holder.conns and holder.held:
@@ -1917,9 +1985,11 @@ class Scheduler:
             holder.last_activity = now
             q = holder.queue
             if holder.parked or holder.handback:  # work resumed
-                if holder.idle_since is not None:  # a gap's that ended in a park too
+                if holder.turn:  # a person's next turn, on the slot it kept: no tool call
+                    q.turn_begins(holder.session, now)
+                elif holder.idle_since is not None:  # a gap's that ended in a park too
                     q.tool_call(now - holder.idle_since, holder.role)
-                holder.parked = holder.handback = holder.gap = False
+                holder.parked = holder.handback = holder.gap = holder.turn = False
                 q.parked.pop(holder, None)
                 self._busy(holder, now)
             if holder in q.idle:  # it spoke: no longer yieldable until its window passes again
@@ -2063,7 +2133,7 @@ class Scheduler:
                 awaited = affinity.prober if affinity is not None else None  # answered or not
 
             def gives_way(h: Holder) -> bool:
-                if h.parked and h.gap:
+                if h.parked and (h.gap or h.turn):  # its context in use: a tool call's, a person's
                     return gap_target is not None
                 if h.parked and h.role == CHILD:  # for good: its context is done with, not one still in use
                     return self._gap_target(q, nxt, now, done=h.session) is not None
@@ -2082,7 +2152,7 @@ class Scheduler:
                 if gap_target is None or any(h.parked and not h.gap and h.role == CHILD for h in q.parked):
                     self._recheck_gap(q, now)  # kept for a context in use: look again when it is done with
                 break
-            if holder.gap or not holder.parked and not to_parent:
+            if holder.gap or holder.turn or not holder.parked and not to_parent:
                 target = gap_target
             elif holder.parked:  # a park for good: a waiter whose context is kept goes first
                 target = self._gap_target(q, nxt, now, done=holder.session) or nxt
@@ -2114,16 +2184,15 @@ class Scheduler:
 
     def _recheck_gap(self, q: _Queue, now: float) -> None:
         """A holder between two requests kept its slot from a waiter whose run would evict the
-        context of a session that gave way in a tool-call gap: that one is in use only so long
-        (``_Queue.in_use``), so the sweep looks again then.  (A holder or a waiter in use gives
+        context of a session that gave way in a tool-call gap, or of a person between turns: that
+        one is in use only so long (``_Queue.in_use``), so the sweep looks again then.  (A holder or a waiter in use gives
         an event of its own when that changes.)"""
         affinity = self._affinity.get(q.key)
         resident = affinity.resident() if affinity is not None else []
-        away = q.away.get(resident[-1]) if resident else None
-        if away is None:
+        until = q.in_use_until(resident[-1]) if resident else None
+        if until is None:
             return
-        since = away[0]
-        when = since + q.tool_call_ms() + 1.0
+        when = until + 1.0
         if when <= now:  # pragma: no cover - an away context past its time is in use no longer
             return
         self._tick += 1
@@ -2266,6 +2335,7 @@ class Request(NamedTuple):
     handback: bool = False  # additive, on a keyed renew: between two requests (see Scheduler.handback)
     gap: bool = False  # additive, with ``parked``: parked for a tool call between two requests (Scheduler.park)
     background: bool = False  # additive, on acquire: a parent with no person behind it (Scheduler.acquire)
+    turn: bool = False  # additive, with ``parked``: a parent's turn is over, a person answers next (Scheduler.park)
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -2352,6 +2422,9 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     background = msg.get("background")
     if background is not None and not isinstance(background, bool):
         raise ProtocolError(f"background must be true or false (got {_show(background)})")
+    turn = msg.get("turn")
+    if turn is not None and not isinstance(turn, bool):
+        raise ProtocolError(f"turn must be true or false (got {_show(turn)})")
     if op in _KEYED_OPS and queue_key is None:
         raise ProtocolError(f"{op} requires queueKey")
     if op == "role" and role is None:
@@ -2368,7 +2441,8 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     if op == "usage" and counts == [None, None]:
         raise ProtocolError("usage requires prefilled or reused")
     return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume),
-                   counts[0], counts[1], busy, bool(spare), bool(handback), bool(gap), bool(background))
+                   counts[0], counts[1], busy, bool(spare), bool(handback), bool(gap), bool(background),
+                   bool(turn))
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -2903,7 +2977,7 @@ class Daemon:
                 sched.renew(c, now=now)
                 self._send(c, _OK)
             elif req.parked:
-                granted, events = sched.park(req.queue_key, session, now=now, gap=req.gap)
+                granted, events = sched.park(req.queue_key, session, now=now, gap=req.gap, turn=req.turn)
                 self._apply(events)  # the handoff goes out first
                 self._send(c, encode_beat(req.queue_key, session, granted))
             elif req.handback:
@@ -3345,6 +3419,8 @@ class Lease:
         self._blocking = 0
         self._gap_blocking = 0  # of them, the pauses for a tool call between two requests
         self._parked_gap = False  # the daemon was told the pause is a tool call's (``gap``)
+        self._turn_blocking = 0  # of them, the pauses at the end of a person's turn (``turn``)
+        self._parked_turn = False  # the daemon was told the pause is the end of a turn
         self._next_beat = 0.0
         self._parked = False  # the daemon was told this pause (a parked beat went out)
         self._parent_waiting = False  # the last beat reply said a parent waits for this child's slot
@@ -3393,14 +3469,16 @@ class Lease:
             self.client._reacquire(self, timeout)
         return self
 
-    def blocking(self, gap: bool = False) -> _Blocking:
+    def blocking(self, gap: bool = False, turn: bool = False) -> _Blocking:
         """A context in which the lease is parked (the run waits on another agent): its keyed
         beat pauses, and a waiter gets the slot at once.  Leaving it resumes the beat at once;
         a slot handed over meanwhile shows as ``lost``, and ``ensure()`` queues again.  ``gap``:
         parked for a tool call between two requests of the run, which comes back; the park says
         so (the renew's ``gap``), and where the server keeps only so many contexts the daemon
-        gives the slot only to a waiter whose run evicts none still in use."""
-        return _Blocking(self, gap)
+        gives the slot only to a waiter whose run evicts none still in use.  ``turn`` (a
+        parent's): parked at the end of its turn, a person answers next; the park says so (the
+        renew's ``turn``), and the daemon counts its context in use while the person thinks."""
+        return _Blocking(self, gap, turn)
 
     def __enter__(self) -> Lease:
         return self
@@ -3414,14 +3492,16 @@ class Lease:
 
 
 class _Blocking:
-    def __init__(self, lease: Lease, gap: bool = False) -> None:
+    def __init__(self, lease: Lease, gap: bool = False, turn: bool = False) -> None:
         self.lease = lease
         self.gap = gap
+        self.turn = turn and not gap
 
     def __enter__(self) -> Lease:
         with self.lease.client._cv:
             self.lease._blocking += 1
             self.lease._gap_blocking += self.gap
+            self.lease._turn_blocking += self.turn
             self.lease.client._cv.notify_all()
         return self.lease
 
@@ -3430,6 +3510,7 @@ class _Blocking:
         with client._cv:
             self.lease._blocking -= 1
             self.lease._gap_blocking -= self.gap
+            self.lease._turn_blocking -= self.turn
             self.lease._next_beat = 0.0  # work resumes: beat at once
             client._cv.notify_all()
 
@@ -4127,11 +4208,12 @@ class Client:
                     if not active:  # every user of the slot waits on another agent: parked
                         paused_period = period if paused_period is None else min(paused_period, period)
                         gap = all(lease._gap_blocking == lease._blocking for lease in held)
-                        if ((not held[0]._parked or held[0]._parked_gap != gap)
+                        turn = all(lease._turn_blocking == lease._blocking for lease in held)
+                        if ((not held[0]._parked or held[0]._parked_gap != gap or held[0]._parked_turn != turn)
                                 and any(lease.activity for lease in held)):
                             for lease in held:  # a park, or the same park for another reason
-                                lease._parked, lease._parked_gap = True, gap
-                            actions.append(self._beat_action(held[0], parked=True, gap=gap))
+                                lease._parked, lease._parked_gap, lease._parked_turn = True, gap, turn
+                            actions.append(self._beat_action(held[0], parked=True, gap=gap, turn=turn))
                         continue
                     for lease in held:
                         lease._parked = False  # its activity beat un-parks it
@@ -4163,12 +4245,15 @@ class Client:
                 except Exception as e:  # a failing callback must not stop the beats
                     self.on_warning(f"llmqueue: background call failed: {e!r}")
 
-    def _beat_action(self, lease: Lease, parked: bool = False, gap: bool = False) -> Callable[[], None]:
+    def _beat_action(self, lease: Lease, parked: bool = False, gap: bool = False,
+                     turn: bool = False) -> Callable[[], None]:
         message: dict[str, Any] = {"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key}
         if parked:
             message["parked"] = True  # additive: an older daemon ignores it (and idle-yields later)
             if gap:
                 message["gap"] = True  # additive, likewise: parked for a tool call, it comes back
+            elif turn:
+                message["turn"] = True  # additive, likewise: a person's turn is over
 
         def send() -> None:
             try:
@@ -4281,14 +4366,20 @@ class Session:
                 lease._set_role(self.role)
         return lease
 
-    def settle(self, park_after: Optional[float] = None, gap: bool = False) -> None:
+    def settle(self, park_after: Optional[float] = None, gap: bool = False,
+               person: Optional[bool] = None) -> None:
         """The run settled: release after the grace, unless the next run starts first.
         ``park_after`` (seconds, at most the grace): keep the slot that long whoever waits, then
         park for the rest of the grace (at once, should a usage reply say meanwhile that switches
         are cheap: a waiter going first costs it no prefill); None: the session's own rule (a subagent parks at once,
         a parent after ``PARENT_HANDBACK_MS``, and with ``yield_on_settle`` off it never parks).
         ``gap``: the run may go on after a tool call (the proxy cannot tell), so its park says so
-        (``Lease.blocking``)."""
+        (``Lease.blocking``).  ``person``: a person answers next (the run's end is their turn
+        over), so its park says so (``turn``) and the daemon counts the context in use while the
+        person thinks; None: so for a parent, unless ``background`` (no person behind it) or
+        ``gap``."""
+        if person is None:
+            person = self.role == "parent" and not self._background and not gap
         with self._lock:
             lease = self.lease
             if lease is None or lease.released or self._cancel_grace is not None:
@@ -4319,7 +4410,7 @@ class Session:
             if never:
                 return
             if at_once:
-                self._settled = lease.blocking(gap=gap)
+                self._settled = lease.blocking(gap=gap, turn=person)
                 self._settled.__enter__()
                 return
             if handback:
@@ -4329,7 +4420,7 @@ class Session:
                 with self._lock:
                     if self._turn == turn and self._settled is None and not lease.released:
                         lease._handback = False  # parked from here: a loss now is no hand-back
-                        self._settled = lease.blocking(gap=gap)
+                        self._settled = lease.blocking(gap=gap, turn=person)
                         self._settled.__enter__()
 
             if park_after is None:
@@ -5392,10 +5483,14 @@ class Proxy:
                 ps.session.abort()  # its only request: leave the queue now
             return
 
-    def end(self, key: str, *, ok: bool, ending: Optional[str] = None) -> None:
+    def end(self, key: str, *, ok: bool, ending: Optional[str] = None, person: bool = False) -> None:
         """A request of ``key`` is over: the session settles (grace, parking after its
         ``hold_window``) after its last request, or lets go at once after a failure or when it
-        was a session of its own.  ``ending``: how the response said it ended (``_ending``)."""
+        was a session of its own.  ``ending``: how the response said it ended (``_ending``).
+        ``person``: the request carried a person's words (``person_turn``).  In a person's
+        session, a response that ended the turn, or one to a person's words that asked for no
+        tool (cut at ``max_tokens``, say: shown to the person), leaves the next turn to the
+        person: the park says so (``Session.settle``'s ``person``)."""
         with self._lock:
             ps = self._sessions.get(key)
             if ps is None:
@@ -5423,7 +5518,9 @@ class Proxy:
                 if lease is not None and lease.held:
                     ps.session._mark(lease, False)  # nothing of the session streams now
                 # a response that did not end the run for sure is a tool call's gap: it comes back
-                ps.session.settle(park_after=self.hold_window(ps, ending), gap=ending != "turn")
+                turn = ps.interactive and (ending == "turn" or ending is None and person)
+                ps.session.settle(park_after=self.hold_window(ps, ending), gap=ending != "turn" and not turn,
+                                  person=turn)
                 # Forget the session once its grace has let the slot go (and no request came).
                 self.client.call_later(self.grace_ms / 1000.0 + 1.0, lambda: self._forget(key, ps))
             else:
@@ -5505,7 +5602,8 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 if counts is not None:  # before the slot can go: the log ties it to this grant
                     proxy.client.usage(proxy.queue_key, key, *counts)
             finally:
-                proxy.end(key, ok=ok, ending=self._scanner.ending if self._scanner is not None else None)
+                proxy.end(key, ok=ok, ending=self._scanner.ending if self._scanner is not None else None,
+                          person=ident.person)
 
         def _relay(self, path: str, body: bytes) -> bool:
             """Forward one request and stream its response back; True when it completed well."""

@@ -1,0 +1,263 @@
+"""A person's turn is over: their context stays in use while they think (issue 13, "the
+interactive pattern").
+
+A parent that parks at the end of its turn says so (``turn: true`` beside ``parked`` on a keyed
+renew; ``Lease.blocking(turn=True)``; a parent ``Session``'s settled run, unless ``background``;
+the proxy's person's session after a response that ended the turn, or one to the person's words
+that asked for no tool).  Where the queue learned that the server keeps only so many contexts,
+that parent's context then counts as in use for as long as its person thinks: 1.5x the longest of
+their last three think times (from the turn's end to their next ask) plus 0.2 s,
+``THINK_DEFAULT_MS`` while none is known, ``THINK_MAX_MS`` at most.  So a subagent's gap keeps its
+slot from a waiter whose run would push the person's context out, and the person's own parked
+slot goes only to a waiter whose run evicts no context in use.  Without the field, or where no
+bound is known, everything is as before; a connection that closes takes its person's think time
+with it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List
+
+import pytest
+
+import llmqueue as lq
+from tests.harness import short_tmpdir, started, wait_for
+from tests.test_contexts import LESSON, K, SOON, T0, granted, sched, taught
+from tests.test_handover import client_of, log_lines
+
+AGED = {"agingAfterMs": 0, "agingAfterSlots": 0}
+
+
+def person_then_a(turn: bool) -> lq.Scheduler:
+    """The lesson's queue (two contexts kept), then the person P's turn (its context and A's are
+    the two kept), after which A holds while B waits."""
+    s = taught()
+    s.acquire("p", K, "P", "parent", now=T0)
+    s.usage(K, "P", 1000, 0)
+    s.acquire("a", K, "A", "child", now=T0 + 1)
+    s.acquire("b", K, "B", "child", now=T0 + 2)
+    held, events = s.park(K, "P", now=T0 + 10, turn=turn)  # A's context is kept: A goes
+    assert not held and granted(events) == ["A"]
+    s.usage(K, "A", 10, 1010)  # kept: A's and P's are the two kept, P's the older
+    return s
+
+
+# -- the pure core ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("turn", [True, False])
+def test_core_a_subagents_gap_keeps_its_slot_from_a_waiter_whose_run_would_evict_a_thinking_persons_context(
+        turn: bool) -> None:
+    s = person_then_a(turn)
+    held, events = s.park(K, "A", now=T0 + 100, gap=True)  # B's run would push P's context out
+    if turn:
+        assert held and events == []
+        (q,) = s.status(now=T0 + 100)
+        assert [h["sessionKey"] for h in q["holders"]] == ["A"]
+        assert [w["sessionKey"] for w in q["waiting"]] == ["B"]
+    else:  # P's park was for good: its context is done with
+        assert not held and granted(events) == ["B"]
+
+
+def test_core_a_persons_return_goes_first_and_finds_the_slot_given_back() -> None:
+    s = person_then_a(True)
+    assert s.park(K, "A", now=T0 + 100, gap=True) == (True, [])
+    assert granted(s.acquire("p", K, "P", "parent", now=T0 + 2010)) == ["P"]  # a parent waits: A gives way
+
+
+def test_core_the_persons_think_time_is_learned_and_the_sweep_looks_again_when_it_is_over() -> None:
+    """P thought for 2 s: from its next turn's end its context is in use for 3.2 s (1.5x plus
+    0.2 s).  A subagent's gap keeps its slot until then, and the sweep hands it over after."""
+    s = taught()
+    s.acquire("p", K, "P", "parent", now=T0)
+    s.usage(K, "P", 1000, 0)
+    assert s.park(K, "P", now=T0 + 10, turn=True) == (True, [])  # nobody waits: kept
+    assert s.beat(K, "P", now=T0 + 2010)  # its next turn, 2 s later, on the slot it kept
+    s.usage(K, "P", 10, 1000)
+    assert s.park(K, "P", now=T0 + 2100, turn=True) == (True, [])
+    assert granted(s.acquire("a", K, "A", "child", now=T0 + 2200)) == ["A"]  # A's context is kept
+    s.usage(K, "A", 10, 1010)
+    s.acquire("b", K, "B", "child", now=T0 + 2300)
+    over = T0 + 2100 + 1.5 * 2000 + 200
+    assert s.park(K, "A", now=over - 100, gap=True) == (True, [])  # P still thinks
+    due = s.next_deadline()
+    assert due is not None and over < due <= over + 2
+    assert granted(s.sweep(now=due - 2)) == []
+    assert granted(s.sweep(now=due)) == ["B"]
+
+
+def test_core_a_persons_parked_turn_gives_its_slot_only_to_a_waiter_whose_run_evicts_no_context_in_use() -> None:
+    """A gave its slot to P in a tool-call gap; P's turn is over while only B waits, whose run
+    would push A's context out: P keeps its slot until A is back, and A goes.  A park for good
+    (no ``turn``) still goes to B at once."""
+    for turn in (True, False):
+        s = taught()
+        s.acquire("a", K, "A", "child", now=T0)
+        s.acquire("p", K, "P", "parent", now=T0 + 1)
+        assert granted(s.park(K, "A", now=T0 + 10, gap=True)[1]) == ["P"]  # a parent waits: it goes
+        s.usage(K, "P", 1000, 0)
+        s.acquire("b", K, "B", "child", now=T0 + 20)
+        held, events = s.park(K, "P", now=T0 + 30, turn=turn)
+        if not turn:
+            assert not held and granted(events) == ["B"]
+            continue
+        assert held and events == []
+        assert granted(s.acquire("a", K, "A", "child", now=T0 + 500)) == ["A"]  # back: its context is kept
+        (q,) = s.status(now=T0 + 500)
+        assert [w["sessionKey"] for w in q["waiting"]] == ["B"]
+
+
+def test_core_a_turn_where_no_bound_is_known_changes_nothing() -> None:
+    s = sched()  # nothing learned: the server may keep every context
+    s.acquire("p", K, "P", "parent", now=T0)
+    s.acquire("a", K, "A", "child", now=T0 + 1)
+    s.acquire("b", K, "B", "child", now=T0 + 2)
+    assert granted(s.park(K, "P", now=T0 + 10, turn=True)[1]) == ["A"]
+    assert granted(s.park(K, "A", now=T0 + 20, gap=True)[1]) == ["B"]
+
+
+def test_core_a_childs_turn_or_one_with_gap_is_no_persons() -> None:
+    """``turn`` is a parent's: a subagent's park with it is a park for good, and one with ``gap``
+    too is a tool call's gap."""
+    s = taught()
+    s.acquire("x", K, "X", "child", now=T0)
+    s.usage(K, "X", 1000, 0)
+    s.park(K, "X", now=T0 + 10, turn=True)  # nobody waits: kept; a child's park for good
+    s.release(K, "X", now=T0 + 20)
+    s.acquire("a", K, "A", "child", now=T0 + 30)  # A's kept (with X's): granted at once
+    s.usage(K, "A", 10, 1010)
+    s.acquire("b", K, "B", "child", now=T0 + 40)
+    assert granted(s.park(K, "A", now=T0 + 50, gap=True)[1]) == ["B"]  # X's context is done with
+
+
+def test_core_the_think_time_is_capped_and_a_long_absence_is_none() -> None:
+    s = taught()
+    s.acquire("p", K, "P", "parent", now=T0)
+    s.usage(K, "P", 1000, 0)
+    s.park(K, "P", now=T0 + 10, turn=True)
+    s.release(K, "P", now=T0 + 20)
+    # back after more than THINK_MAX_MS: no think time; the default window holds
+    s.acquire("p", K, "P", "parent", now=T0 + 10 + lq.THINK_MAX_MS + 1)
+    s.usage(K, "P", 10, 0)
+    now = T0 + 10 + lq.THINK_MAX_MS + 100
+    s.park(K, "P", now=now, turn=True)
+    s.release(K, "P", now=now + 10)
+    assert granted(s.acquire("a", K, "A", "child", now=now + 20)) == ["A"]
+    s.usage(K, "A", 10, 1010)
+    s.acquire("b", K, "B", "child", now=now + 30)
+    assert s.park(K, "A", now=now + lq.THINK_DEFAULT_MS - 100, gap=True) == (True, [])
+    assert s.beat(K, "A", now=now + lq.THINK_DEFAULT_MS + 50)
+    assert granted(s.park(K, "A", now=now + lq.THINK_DEFAULT_MS + 100, gap=True)[1]) == ["B"]
+
+
+def test_core_a_connection_that_closes_takes_its_persons_think_time_with_it() -> None:
+    s = taught()
+    s.acquire("p", K, "P", "parent", now=T0)
+    s.usage(K, "P", 1000, 0)
+    s.park(K, "P", now=T0 + 10, turn=True)  # nobody waits: kept
+    assert granted(s.acquire("a", K, "A", "child", now=T0 + 20)) == ["A"]  # its context is kept
+    s.disconnect("p", now=T0 + 30)  # the person's program exited
+    s.usage(K, "A", 10, 1010)
+    s.acquire("b", K, "B", "child", now=T0 + 40)
+    assert granted(s.park(K, "A", now=T0 + 50, gap=True)[1]) == ["B"]
+
+
+# -- the socket -----------------------------------------------------------------------------------
+
+
+def teach(p: Any) -> None:
+    for who, prefilled, reused in LESSON:
+        assert p.ask({"op": "usage", "queueKey": K, "sessionKey": who, "prefilled": prefilled,
+                      "reused": reused})["op"] == "ok"
+
+
+def test_a_turn_over_the_socket_keeps_the_persons_context_from_a_subagents_rotation() -> None:
+    for d in started(config={"defaults": AGED}):
+        t = d.peer()
+        teach(t)
+        p, a, b = d.peer(), d.peer(), d.peer()
+        assert p.ask({"op": "acquire", "queueKey": K, "sessionKey": "P"})["op"] == "granted"
+        t.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 1000, "reused": 0})
+        a.send({"op": "acquire", "queueKey": K, "sessionKey": "A", "role": "child"})
+        wait_for(lambda: d.waiting(K) == ["A"])
+        reply = p.ask({"op": "renew", "queueKey": K, "sessionKey": "P", "parked": True, "turn": True})
+        assert reply == {"op": "ok", "queueKey": K, "sessionKey": "P", "granted": False}
+        assert a.recv(SOON)["op"] == "granted"
+        t.ask({"op": "usage", "queueKey": K, "sessionKey": "A", "prefilled": 10, "reused": 1010})
+        b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "child"})
+        wait_for(lambda: d.waiting(K) == ["B"])
+        reply = a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True, "gap": True})
+        assert reply["granted"] is True  # kept: B's run would push the person's context out
+        assert b.silent(0.3) and d.holders(K) == ["A"]
+        p.send({"op": "acquire", "queueKey": K, "sessionKey": "P"})  # the person's next turn
+        assert p.recv(SOON)["op"] == "granted" and d.waiting(K) == ["B"]
+
+
+def test_a_bad_turn_field_is_an_error_reply_that_changes_nothing() -> None:
+    for d in started():
+        a, b = d.peer(), d.peer()
+        assert a.ask({"op": "acquire", "queueKey": K, "sessionKey": "A"})["op"] == "granted"
+        b.send({"op": "acquire", "queueKey": K, "sessionKey": "B"})
+        wait_for(lambda: d.waiting(K) == ["B"])
+        for bad in ("yes", 1, [True], {"a": 1}):
+            reply = a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True, "turn": bad})
+            assert reply["op"] == "error" and "turn must be true or false" in reply["reason"]
+        assert d.holders(K) == ["A"] and d.waiting(K) == ["B"]
+
+
+# -- Client ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_parent_sessions_settled_run_is_a_turn_over_unless_no_person_is_behind_it(background: bool) -> None:
+    """A parent ``Session``'s run settles: it parks with ``turn`` (after ``PARENT_HANDBACK_MS``),
+    so A, whose context is kept, gets the slot, and A's gap then keeps it from B.  A session
+    marked ``background`` parks for good: A's gap gives the slot to B."""
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": dict(AGED, logFile=log)}):
+        teach(d.peer())
+        with client_of(d) as client:
+            client.status()  # connected: usage goes out only then
+            person = client.session(K, "P", "parent", grace_ms=10_000)
+            person.background = background
+            a, b = d.peer(), d.peer()
+            with person.run():
+                with person.request():
+                    client.usage(K, "P", 1000, 0)
+                    wait_for(lambda: len([e for e in log_lines(log) if e["event"] == "usage"]) == len(LESSON) + 1)
+            a.send({"op": "acquire", "queueKey": K, "sessionKey": "A", "role": "child"})
+            assert a.recv(SOON + 1)["op"] == "granted"  # after the parent's handback window
+            a.ask({"op": "usage", "queueKey": K, "sessionKey": "A", "prefilled": 10, "reused": 1010})
+            b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "child"})
+            wait_for(lambda: d.waiting(K) == ["B"])
+            reply = a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True, "gap": True})
+            assert reply["granted"] is not background
+            if background:
+                assert b.recv(SOON)["op"] == "granted"
+            else:
+                assert b.silent(0.3) and d.holders(K) == ["A"]
+            person.close()
+
+
+def test_a_lease_parked_for_a_turn_says_so_and_a_gap_wins() -> None:
+    sent: List[Any] = []
+    for d in started(config={"defaults": AGED}):
+        teach(d.peer())
+        with client_of(d) as client:
+            lease = client.acquire(K, "P", "parent", activity=True)  # nobody waits: parks keep it
+            original = client._send_beat
+
+            def spy(lease_: Any, message: Any) -> Any:
+                sent.append(dict(message))
+                return original(lease_, message)
+
+            client._send_beat = spy  # type: ignore[method-assign]
+            with lease.blocking(turn=True):
+                wait_for(lambda: any(m.get("parked") for m in sent))
+            with lease.blocking(gap=True, turn=True):
+                wait_for(lambda: sum(1 for m in sent if m.get("parked")) >= 2)
+            lease.release()
+    parks = [m for m in sent if m.get("parked")]
+    assert parks[0].get("turn") is True and "gap" not in parks[0]
+    assert parks[1].get("gap") is True and "turn" not in parks[1]
