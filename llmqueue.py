@@ -1652,7 +1652,12 @@ class Scheduler:
         if holder.turn:
             q.turn_over(session, holder.idle_since if holder.idle_since is not None else now)
             for conn in holder.conns:
-                self._conn_thinkers.setdefault(conn, set()).add((q, session))
+                people = self._conn_thinkers.setdefault(conn, set())
+                people.add((q, session))
+                if len(people) > 64:  # those back or forgotten are nobody's to clear
+                    people.difference_update([e for e in people if e[1] not in e[0].thinking])
+        else:  # parked again for another reason (waiting on its subagents, a tool call): no person's
+            q.thinking.pop(session, None)
         return self._step_aside(q, holder, now)
 
     def _step_aside(self, q: _Queue, holder: Holder, now: float) -> tuple[bool, list[Event]]:
@@ -2197,11 +2202,13 @@ class Scheduler:
             return
         self._tick += 1
         heapq.heappush(self._gap_heap, (when, self._tick, q))
-        if len(self._gap_heap) > 2 * len(self._queues) + 64:  # one entry per queue is enough: the latest
-            latest: dict[int, tuple[float, int, _Queue]] = {}
+        if len(self._gap_heap) > 2 * len(self._queues) + 64:
+            # one entry per queue is enough, its earliest: each look sets the next one (a person's
+            # think time may end long after a tool call's, so the latest could skip the nearer)
+            earliest: dict[int, tuple[float, int, _Queue]] = {}
             for entry in self._gap_heap:
-                latest[id(entry[2])] = max(latest.get(id(entry[2]), entry), entry)
-            self._gap_heap[:] = list(latest.values())
+                earliest[id(entry[2])] = min(earliest.get(id(entry[2]), entry), entry)
+            self._gap_heap[:] = list(earliest.values())
             heapq.heapify(self._gap_heap)
 
     def _gap_target(self, q: _Queue, nxt: Optional[Waiter], now: float,

@@ -163,6 +163,64 @@ def test_core_a_connection_that_closes_takes_its_persons_think_time_with_it() ->
     assert granted(s.park(K, "A", now=T0 + 50, gap=True)[1]) == ["B"]
 
 
+def test_core_a_person_parked_again_for_another_reason_thinks_no_longer() -> None:
+    """P's turn park, then, still parked, a park for good (it waits on its subagents): nobody
+    thinks, so A's gap gives the slot to B.  Parked for a tool call instead, P's context is in
+    use as long as the queue's tool calls take (the grace, none known), not a think time."""
+    for gap in (False, True):
+        s = taught()
+        s.acquire("p", K, "P", "parent", now=T0)
+        s.usage(K, "P", 1000, 0)
+        s.park(K, "P", now=T0 + 10, turn=True)  # nobody waits: kept
+        s.park(K, "P", now=T0 + 20, gap=gap)
+        assert granted(s.acquire("a", K, "A", "child", now=T0 + 30)) == ["A"]
+        s.usage(K, "A", 10, 1010)
+        s.acquire("b", K, "B", "child", now=T0 + 40)
+        later = T0 + 30 + lq.GRACE_MS + 100 if gap else T0 + 50
+        assert granted(s.park(K, "A", now=later, gap=True)[1]) == ["B"]
+
+
+def test_core_a_long_think_sets_a_window_no_longer_than_the_cap() -> None:
+    s = taught()
+    s.acquire("p", K, "P", "parent", now=T0)
+    s.usage(K, "P", 1000, 0)
+    s.park(K, "P", now=T0 + 10, turn=True)
+    think = 100_000  # 1.5x plus 0.2 s would be 150.2 s
+    assert s.beat(K, "P", now=T0 + 10 + think)
+    s.usage(K, "P", 10, 1000)
+    now = T0 + 20 + think
+    s.park(K, "P", now=now, turn=True)
+    assert granted(s.acquire("a", K, "A", "child", now=now + 10)) == ["A"]
+    s.usage(K, "A", 10, 1010)
+    s.acquire("b", K, "B", "child", now=now + 20)
+    assert s.park(K, "A", now=now + lq.THINK_MAX_MS - 100, gap=True) == (True, [])
+    assert s.beat(K, "A", now=now + lq.THINK_MAX_MS + 50)
+    assert granted(s.park(K, "A", now=now + lq.THINK_MAX_MS + 100, gap=True)[1]) == ["B"]
+
+
+def test_core_many_waiters_never_push_the_nearer_look_behind_a_persons_long_think() -> None:
+    """A person's slot kept for A's context (in its tool call, about 3 s) while P's own think
+    window is 30 s: however many subagents queue meanwhile, the sweep looks again when A's
+    context is done with, not when P's is."""
+    for waiters in range(130):
+        s = taught()
+        s.acquire("p", K, "P", "parent", now=T0)
+        s.usage(K, "P", 1000, 0)
+        s.park(K, "P", now=T0 + 10, turn=True)  # thinks: 30 s, none known yet
+        assert granted(s.acquire("a", K, "A", "child", now=T0 + 20)) == ["A"]
+        s.usage(K, "A", 10, 1010)
+        s.acquire("b", K, "B", "child", now=T0 + 30)
+        assert s.park(K, "A", now=T0 + 100, gap=True) == (True, [])  # kept for P: a look at ~30 s
+        assert granted(s.acquire("p", K, "P", "parent", now=T0 + 1000)) == ["P"]  # P back: A away
+        s.usage(K, "P", 10, 1000)
+        assert s.park(K, "P", now=T0 + 1500, turn=True) == (True, [])  # kept for A, ~3 s
+        for i in range(waiters):
+            s.acquire(f"c{i}", K, f"C{i}", "child", now=T0 + 1600 + i)
+        due = s.next_deadline()
+        assert due is not None and due <= T0 + 1000 + lq.GRACE_MS + 2, waiters
+        assert granted(s.sweep(now=due)) == ["B"]
+
+
 # -- the socket -----------------------------------------------------------------------------------
 
 
@@ -255,9 +313,12 @@ def test_a_lease_parked_for_a_turn_says_so_and_a_gap_wins() -> None:
             client._send_beat = spy  # type: ignore[method-assign]
             with lease.blocking(turn=True):
                 wait_for(lambda: any(m.get("parked") for m in sent))
+                with lease.blocking():  # still parked, now waiting on another agent: said again
+                    wait_for(lambda: sum(1 for m in sent if m.get("parked")) >= 2)
             with lease.blocking(gap=True, turn=True):
-                wait_for(lambda: sum(1 for m in sent if m.get("parked")) >= 2)
+                wait_for(lambda: sum(1 for m in sent if m.get("parked")) >= 3)
             lease.release()
     parks = [m for m in sent if m.get("parked")]
     assert parks[0].get("turn") is True and "gap" not in parks[0]
-    assert parks[1].get("gap") is True and "turn" not in parks[1]
+    assert "turn" not in parks[1] and "gap" not in parks[1]
+    assert parks[2].get("gap") is True and "turn" not in parks[2]
