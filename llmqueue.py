@@ -149,7 +149,7 @@ KEPT_SAMPLES = 4  # the most recent returns that must all have (at least 2 of th
 MAX_DEPTH = 64
 # A person's turn is over (a parent's park with ``turn``): its context stays in use while the
 # person thinks, so where the server keeps only so many contexts the subagents share the rest
-# and the person's next turn finds its context kept.  For as long as the person's recent think
+# and the person's next turn finds its context kept.  For as long as the queue's recent think
 # times say (1.5x the longest of the last three, plus 0.2 s), this long while none is known yet,
 # and never longer than the cap: a person that walked away costs the subagents that long at most.
 # Measured on a real llama-server whose host cache holds two contexts, a person beside three
@@ -1242,8 +1242,8 @@ class _Queue:
             self.gaps.append(ms)
 
     def think_ms(self) -> float:
-        """How long a person's context stays in use after their turn: 1.5x the longest of their
-        recent think times plus 0.2 s, ``THINK_DEFAULT_MS`` while none is known, at most
+        """How long a person's context stays in use after their turn: 1.5x the longest of the
+        queue's recent think times (its people's, one window for all) plus 0.2 s, ``THINK_DEFAULT_MS`` while none is known, at most
         ``THINK_MAX_MS``."""
         if not self.thinks:
             return float(THINK_DEFAULT_MS)
@@ -2190,8 +2190,8 @@ class Scheduler:
     def _recheck_gap(self, q: _Queue, now: float) -> None:
         """A holder between two requests kept its slot from a waiter whose run would evict the
         context of a session that gave way in a tool-call gap, or of a person between turns: that
-        one is in use only so long (``_Queue.in_use``), so the sweep looks again then.  (A holder or a waiter in use gives
-        an event of its own when that changes.)"""
+        one is in use only so long (``_Queue.in_use``), so the sweep looks again then.  (A holder
+        or a waiter in use gives an event of its own when that changes.)"""
         affinity = self._affinity.get(q.key)
         resident = affinity.resident() if affinity is not None else []
         until = q.in_use_until(resident[-1]) if resident else None
