@@ -228,6 +228,7 @@ class Reply(NamedTuple):
     cache_n: Optional[int]  # tokens it reused from a cache
     error: str
     completion_n: Optional[int] = None  # tokens it generated
+    finish: Optional[str] = None  # its finish_reason: "stop" for an answer, "length" when cut
 
 
 def v1_base(url: str) -> str:
@@ -242,17 +243,27 @@ def server_root(url: str) -> str:
 
 
 def stream_chat(base: str, messages: List[Dict[str, str]], max_tokens: int,
-                headers: Optional[Dict[str, str]] = None, timeout: float = 600.0) -> Reply:
-    """POST ``base``/chat/completions with ``stream: true`` and read the SSE stream to its end."""
+                headers: Optional[Dict[str, str]] = None, timeout: float = 600.0, final: bool = False) -> Reply:
+    """POST ``base``/chat/completions with ``stream: true`` and read the SSE stream to its end.
+
+    A ``final`` reply ends the agent's turn the way a real model's answer does: llama.cpp's
+    ``grammar`` makes it ``max_tokens`` digits (one byte token each, so the count is exact), after
+    which only the end of text may follow, and the response says ``finish_reason: stop``.  Any
+    other reply is cut at ``max_tokens`` (``length``), as random weights never end by themselves:
+    neither a tool call nor an answer, by the response's own account."""
     u = urllib.parse.urlsplit(base)
-    body = json.dumps({"model": "bench", "messages": messages, "stream": True, "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True, "cache_prompt": True,
-                       "stream_options": {"include_usage": True}}).encode()
+    fields: Dict[str, Any] = {"model": "bench", "messages": messages, "stream": True, "max_tokens": max_tokens,
+                              "temperature": 0, "ignore_eos": True, "cache_prompt": True,
+                              "stream_options": {"include_usage": True}}
+    if final:
+        fields.update(grammar=f"root ::= [0-9]{{{max_tokens}}}", ignore_eos=False, max_tokens=max_tokens + 1)
+    body = json.dumps(fields).encode()
     conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=timeout)
     first: Optional[float] = None
     parts: List[str] = []
     timings: Dict[str, Any] = {}
     usage: Dict[str, Any] = {}
+    finish: Optional[str] = None
     try:
         conn.request("POST", u.path.rstrip("/") + "/chat/completions", body=body,
                      headers={"Content-Type": "application/json", **(headers or {})})
@@ -285,6 +296,8 @@ def stream_chat(base: str, messages: List[Dict[str, str]], max_tokens: int,
             if isinstance(obj.get("usage"), dict):
                 usage = obj["usage"]
             for choice in obj.get("choices") or ():
+                if choice.get("finish_reason") is not None:
+                    finish = str(choice["finish_reason"])
                 content = (choice.get("delta") or {}).get("content")
                 if content is not None:
                     if first is None:
@@ -299,7 +312,7 @@ def stream_chat(base: str, messages: List[Dict[str, str]], max_tokens: int,
     prompt_n, cache_n = _accounting(timings, usage)
     completion = timings.get("predicted_n", usage.get("completion_tokens"))
     return Reply(True, 200, "".join(parts), first, now(), prompt_n, cache_n, "",
-                 completion if isinstance(completion, int) else None)
+                 completion if isinstance(completion, int) else None, finish)
 
 
 def _accounting(timings: Dict[str, Any], usage: Dict[str, Any]) -> Tuple[Optional[int], Optional[int]]:
@@ -429,6 +442,7 @@ class Workload(NamedTuple):
     turns: int = 6  # interactive: the parent's turns
     think_s: float = 2.0  # interactive: the person's think time before each turn
     limit_s: float = 300.0  # interactive: the run's time limit (a starved parent must not hang the run)
+    final_stop: bool = True  # an agent's answer ends with finish_reason "stop" (see stream_chat)
 
     def context_tokens(self) -> int:
         """About the largest context one agent reaches (a child's, at its last request)."""
@@ -478,13 +492,14 @@ class Agent:
     def words(self, n: int) -> str:
         return " ".join(self.rng.choices(WORDS, k=n))
 
-    def ask(self, access: Access, asked: Optional[float] = None) -> Reply:
+    def ask(self, access: Access, asked: Optional[float] = None, final: bool = False) -> Reply:
         """One model request, through ``access.request()``; ``asked`` is when the agent asked (the
-        start of its run, for a run's first request)."""
+        start of its run, for a run's first request).  ``final``: the reply is the agent's answer
+        (a job's last, or a person's turn), and says so when the workload's ``final_stop`` is on."""
         asked = now() if asked is None else asked
         with access.request(self):
             reply = stream_chat(access.base(self), self.messages, self.workload.reply_tokens,
-                                headers={"X-Agent": self.name})
+                                headers={"X-Agent": self.name}, final=final and self.workload.final_stop)
             access.reported(self, reply)
         with self.lock:
             self.records.append(Record(self.name, self.session, self.conversation, self.role, asked, reply.first,
@@ -511,7 +526,7 @@ class Agent:
             for i in range(n):
                 if stop is not None and stop.is_set():
                     return
-                self.ask(access, asked if i == 0 else None)
+                self.ask(access, asked if i == 0 else None, final=i == n - 1)
                 if i < n - 1:
                     self.tool(access)
 
@@ -551,7 +566,7 @@ def delegate(access: Access, wl: Workload, salt: str, seed: int = 0) -> RunResul
             parent.ask(access, start if i == 0 else None)
             parent.tool(access)
         parent.tool(access, "subagent", work=subagents)
-        parent.ask(access)
+        parent.ask(access, final=True)
     end = now()
     if errors:
         raise errors[0]
@@ -595,7 +610,7 @@ def interactive(access: Access, wl: Workload, salt: str, seed: int = 0, backgrou
             break
         asked = now()
         with access.run(parent):
-            parent.ask(access, asked)
+            parent.ask(access, asked, final=True)
         parent.messages.append({"role": "user", "content": parent.words(wl.task_tokens)})
     limit_hit = limit_hit or stop.is_set()
     parent_end = now()
@@ -1151,6 +1166,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="llama-server threads (default 2)")
     ap.add_argument("--json", metavar="FILE", help="write every figure and request here")
     ap.add_argument("--keep-logs", metavar="DIR", help="keep each queued run's event log here (llmqueue report)")
+    ap.add_argument("--cut-answers", action="store_true",
+                    help="cut every reply at its length, answers too (finish_reason length): as before "
+                         "December 2026, when no response said that the agent's turn was over")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="run every access N times, in rounds, and add a table of medians (default 1)")
@@ -1161,7 +1179,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.makedirs(args.keep_logs, exist_ok=True)
 
     size = MODEL_SIZES[args.model_size or "small"]
-    wl = Workload(children=args.children)
+    wl = Workload(children=args.children, final_stop=not args.cut_answers)
     if args.quick:
         wl = wl._replace(system_tokens=1000, tool_tokens=100, tool_s=0.3, turns=4, think_s=1.5, limit_s=90.0)
     if args.system_tokens:

@@ -8,6 +8,9 @@ What it models (a deliberately small but faithful picture of llama-server's slot
   "text": ...}`` parts).  One word is one token, so word counts are token counts.  The reply is
   ``max_tokens`` (default 16; ``max_completion_tokens`` is accepted too) words ``g0 g1 ...``:
   deterministic, so a client that appends the reply to its history sends a reproducible prompt.
+  It is cut there (``finish_reason: "length"``), except under a ``grammar`` (llama.cpp's field,
+  which the benchmark gives an agent's answers): the sim reads no grammar, and ends such a reply
+  by itself one token short of ``max_tokens`` (``"stop"``), where the end of text would come.
 - **Slots.**  ``slots`` slots, each with a KV cache: the tokens it last processed, that is the
   prompt, then ``<|assistant|>`` (the chat template's generation header, which the next prompt
   renders before this reply) and the generated words.  The header is free: it counts in no
@@ -40,7 +43,7 @@ What it models (a deliberately small but faithful picture of llama-server's slot
   it is refused with 500 ``failed to find free space in the KV cache``.  A slot's context is
   then at most ``unified_ctx`` too.
 - **Responses**: ``POST /v1/chat/completions`` (and ``/chat/completions``), streaming (SSE, one
-  chunk per token, a final chunk with ``finish_reason: "length"`` and llama-server's
+  chunk per token, a final chunk with its ``finish_reason`` and llama-server's
   ``timings``, a usage chunk when ``stream_options.include_usage``, then ``[DONE]``) or not (a
   ``chat.completion`` with ``usage`` and ``timings``).  A stream's headers go out when its slot
   starts.  Streams are written with ``Connection: close`` and no length, so a cut is a truncated
@@ -676,8 +679,9 @@ def _make_handler(sim: KVSim) -> Type[BaseHTTPRequestHandler]:
             sim._extend(grant, rec, [ASSISTANT], header=True)
             t1 = time.monotonic()
             cut_at = min(FAULT_AFTER, max(0, max_tokens - 1)) if fault in ("close", "restart") else -1
+            ends = "grammar" in body  # it ends by itself, where its grammar is done: one token short
             words: List[str] = []
-            for i in range(max_tokens):
+            for i in range(max(0, max_tokens - 1) if ends else max_tokens):
                 if i == cut_at:
                     break
                 sim._compute(grant, rec, sim.decode_ms)
@@ -705,7 +709,8 @@ def _make_handler(sim: KVSim) -> Type[BaseHTTPRequestHandler]:
             sim._release(grant, rec)
             if stream:
                 self._event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                             "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "timings": timings})
+                             "choices": [{"index": 0, "delta": {}, "finish_reason": "stop" if ends else "length"}],
+                             "timings": timings})
                 if usage:
                     self._event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                                  "choices": [], "usage": used})
@@ -714,7 +719,7 @@ def _make_handler(sim: KVSim) -> Type[BaseHTTPRequestHandler]:
                     self.wfile.write(b"0\r\n\r\n")
             else:
                 self._json(200, {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                                 "choices": [{"index": 0, "finish_reason": "length",
+                                 "choices": [{"index": 0, "finish_reason": "stop" if ends else "length",
                                               "message": {"role": "assistant", "content": " ".join(words)}}],
                                  "usage": used, "timings": timings}, rec)
 

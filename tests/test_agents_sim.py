@@ -182,6 +182,33 @@ def test_proxy_with_no_session_names_prefills_what_named_sessions_prefill(sim: K
     assert overlaps(sim) == 1
 
 
+def test_an_agents_answer_ends_its_turn_as_a_real_models_does_and_every_other_reply_is_cut(sim: KVSim) -> None:
+    # A job's last reply and the parent's answer after its subagents carry a grammar, so the
+    # server ends them ("stop"); every reply followed by a tool call is cut at max_tokens.
+    def endings(workload: agents.Workload, salt: str) -> List[Any]:
+        seen: List[Any] = []
+        real = agents.stream_chat
+
+        def spy(*args: Any, **kw: Any) -> agents.Reply:
+            reply = real(*args, **kw)
+            seen.append((kw.get("final", False), reply.finish))
+            return reply
+
+        agents.stream_chat = spy  # type: ignore[assignment]
+        try:
+            result = agents.delegate(agents.Access(sim.url), workload, salt=salt)
+        finally:
+            agents.stream_chat = real  # type: ignore[assignment]
+        assert all(r.ok for r in result.records)
+        return seen
+
+    answered = endings(WORKLOAD, "zuzzuz")
+    assert answered.count((True, "stop")) == WORKLOAD.children + 1  # each subagent's last, the parent's answer
+    assert answered.count((False, "length")) == len(answered) - WORKLOAD.children - 1
+    cut = endings(WORKLOAD._replace(final_stop=False), "cutcut")  # --cut-answers
+    assert len(cut) == len(answered) and {finish for _, finish in cut} == {"length"}
+
+
 # -- the benchmark's own figures -----------------------------------------------------------------
 
 

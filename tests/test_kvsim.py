@@ -602,3 +602,17 @@ def test_client_sessions_a_fault_surfaces_from_run_and_the_slot_goes_to_the_queu
                 assert agent_stream(key, "a", retried.messages) == outcome["b"]
         sessions["a"].close()
         wait_for(lambda: daemon.holders(key) == [], timeout=FAST)
+
+
+def test_a_reply_under_a_grammar_ends_by_itself_one_token_short_of_max_tokens(sim: KVSim) -> None:
+    # The benchmark's answers: llama.cpp's grammar ends them, and the response says "stop".
+    messages = [{"role": "user", "content": "the answer please"}]
+    streamed = post(sim.port, {**payload(messages, max_tokens=5), "grammar": "root ::= [0-9]{4}"})
+    final = streamed.chunks[-1]
+    assert [c["choices"][0]["delta"].get("content") for c in streamed.chunks[:-1]] == [f"g{i} " for i in range(4)]
+    assert final["choices"][0]["finish_reason"] == "stop" and final["timings"]["predicted_n"] == 4
+    plain = post(sim.port, {**payload(messages, max_tokens=3, stream=False), "grammar": "root ::= [0-9]{2}"})
+    assert plain.json()["choices"][0]["finish_reason"] == "stop"
+    assert plain.json()["choices"][0]["message"]["content"] == "g0 g1"
+    cut = post(sim.port, payload(messages, max_tokens=3))
+    assert cut.chunks[-1]["choices"][0]["finish_reason"] == "length"
