@@ -1479,11 +1479,15 @@ class Scheduler:
         return events
 
     def release(self, key: str, session: str, *, now: float, reason: str = "release") -> list[Event]:
-        """The session's slot returns to its queue (a no-op when it holds none)."""
+        """The session's slot returns to its queue.  One that holds none changes nothing, except
+        that a session that gave its slot up between two requests is done with its context now
+        (``_done_with``)."""
         q = self._find(key)
         holder = q.holder_for(key, session) if q else None
-        if q is None or holder is None:
+        if q is None:
             return []
+        if holder is None:
+            return self._done_with(q, session, now)
         events: list[Event] = []
         if reason == "release" and holder.role == CHILD and q.frees_for_waiter(holder):
             nxt = self._pick(q, now)
@@ -1642,8 +1646,10 @@ class Scheduler:
         events)."""
         q = self._find(key)
         holder = q.holder_for(key, session) if q else None
-        if q is None or holder is None:
+        if q is None:
             return False, []
+        if holder is None:  # a park for good of one that handed its slot over: its run is over
+            return False, [] if gap or turn else self._done_with(q, session, now)
         self._refresh(holder, now, activity=False)
         holder.parked = True
         holder.gap = gap
@@ -1659,6 +1665,20 @@ class Scheduler:
         else:  # parked again for another reason (waiting on its subagents, a tool call): no person's
             q.thinking.pop(session, None)
         return self._step_aside(q, holder, now)
+
+    def _done_with(self, q: _Queue, session: str, now: float) -> list[Event]:
+        """``session`` holds no slot and says its run is over (it releases, or parks for good):
+        if it gave its slot up between two requests (``_Queue.away``: a handback to a parent at
+        its last request's end, say), its context is done with from now, not in use for as long
+        as tool calls take, and a waiter kept out for it may go."""
+        if session not in q.away or session in q.waiting:
+            return []
+        q.came_back(session)
+        events: list[Event] = []
+        if q.waiting and q.parked:
+            self._refill(q, now, events)
+            self._settle(q)
+        return events
 
     def _step_aside(self, q: _Queue, holder: Holder, now: float) -> tuple[bool, list[Event]]:
         """A holder that parked, or began a handback gap: its idle spell starts, and it hands its
@@ -4391,6 +4411,15 @@ class Session:
             lease = self.lease
             if lease is None or lease.released or self._cancel_grace is not None:
                 return
+            gone = lease.lost  # handed over at its last request's end (to a parent, say)
+            if gone:
+                self.lease = None
+        if gone:  # nothing to keep: say now that the run is over, so its context is done with
+            lease.release()
+            return
+        with self._lock:
+            if self.lease is not lease or lease.released or self._cancel_grace is not None:
+                return  # another thread settled it, or a run began, meanwhile
             turn = self._turn
             self._gap_turn += 1  # the last gap's park is void: the settled run's rule decides
             self.client._gap_over(self.queue_key, self.session_key)

@@ -73,11 +73,11 @@ def overlaps(sim: KVSim) -> int:
     return most
 
 
-def run_delegate(access: agents.Access, salt: str = "zuzzuz") -> agents.RunResult:
-    result = agents.delegate(access, WORKLOAD, salt=salt)
+def run_delegate(access: agents.Access, salt: str = "zuzzuz", workload: agents.Workload = WORKLOAD) -> agents.RunResult:
+    result = agents.delegate(access, workload, salt=salt)
     access.close()
     assert all(r.ok for r in result.records), [r.error for r in result.records if not r.ok]
-    assert len(result.records) == WORKLOAD.parent_before + 1 + WORKLOAD.children * WORKLOAD.child_requests
+    assert len(result.records) == workload.parent_before + 1 + workload.children * workload.child_requests
     return result
 
 

@@ -17,6 +17,7 @@ with it.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, List
 
 import pytest
@@ -322,3 +323,69 @@ def test_a_lease_parked_for_a_turn_says_so_and_a_gap_wins() -> None:
     assert parks[0].get("turn") is True and "gap" not in parks[0]
     assert "turn" not in parks[1] and "gap" not in parks[1]
     assert parks[2].get("gap") is True and "turn" not in parks[2]
+
+
+# -- a run that ended after it handed its slot to a parent ----------------------------------------
+
+
+def a_handed_back_then_the_persons_turn() -> lq.Scheduler:
+    """A's request ended while the person P waited: A handed its slot over between two requests
+    (so its context counts as in use for a tool call's length), P's turn ran and is over, and B
+    waits.  B's run would push A's context out (P's and A's are the two kept)."""
+    s = taught()
+    s.acquire("a", K, "A2", "child", now=T0)
+    s.usage(K, "A2", 1000, 0)
+    s.acquire("p", K, "P", "parent", now=T0 + 5)
+    held, events = s.handback(K, "A2", now=T0 + 100)
+    assert not held and granted(events) == ["P"]
+    s.usage(K, "P", 1000, 0)
+    s.acquire("b", K, "B2", "child", now=T0 + 150)
+    assert s.park(K, "P", now=T0 + 300, turn=True) == (True, [])  # A2 may come back from a tool call
+    return s
+
+
+@pytest.mark.parametrize("how", ["park", "release"])
+def test_core_a_run_that_ended_after_handing_its_slot_back_frees_its_context_at_once(how: str) -> None:
+    # The end of A2's run (its Session settles: a park for good, or its release) says its context
+    # is done with, though it holds no slot: the person's parked turn hands over to B2 at once,
+    # instead of keeping the slot idle for as long as tool calls take.
+    s = a_handed_back_then_the_persons_turn()
+    if how == "park":
+        held, events = s.park(K, "A2", now=T0 + 400)
+        assert not held
+    else:
+        events = s.release(K, "A2", now=T0 + 400)
+    assert granted(events) == ["B2"]
+
+
+def test_core_a_gap_park_of_a_session_that_handed_its_slot_back_changes_nothing() -> None:
+    s = a_handed_back_then_the_persons_turn()
+    assert s.park(K, "A2", now=T0 + 400, gap=True) == (False, [])  # its run goes on: still away
+    assert granted(s.sweep(now=T0 + 450)) == []
+
+
+def test_a_subagent_session_whose_run_ends_after_handing_its_slot_to_a_parent_frees_its_context_at_once() -> None:
+    """A2 (a ``Client`` subagent session) hands its slot to the waiting person P at its
+    request's end, and its run ends there.  Its settle says so, so when P's turn is over B2 gets
+    the slot at once; before, A2's context counted as in use for as long as a tool call takes
+    (the 3 s grace, none being known), and the slot stood idle meanwhile."""
+    for d in started(config={"defaults": AGED}):
+        teach(d.peer())
+        p, b = d.peer(), d.peer()
+        with client_of(d) as client:
+            client.status()  # connected: usage goes out only then
+            a2 = client.session(K, "A2", "child", grace_ms=10_000)
+            with a2.run():
+                with a2.request():
+                    client.usage(K, "A2", 1000, 0)
+                    p.send({"op": "acquire", "queueKey": K, "sessionKey": "P", "role": "parent"})
+                    wait_for(lambda: d.waiting(K) == ["P"])
+                assert p.recv(SOON)["op"] == "granted"  # handed back at the request's end
+            p.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 1000, "reused": 0})
+            b.send({"op": "acquire", "queueKey": K, "sessionKey": "B2", "role": "child"})
+            wait_for(lambda: d.waiting(K) == ["B2"])
+            sent = time.monotonic()
+            reply = p.ask({"op": "renew", "queueKey": K, "sessionKey": "P", "parked": True, "turn": True})
+            if reply["granted"]:  # A2's settle had not arrived yet: it comes at once
+                assert b.recv(SOON)["op"] == "granted"
+            assert time.monotonic() - sent < SOON and d.holders(K) == ["B2"]
