@@ -4411,7 +4411,9 @@ class Session:
             lease = self.lease
             if lease is None or lease.released or self._cancel_grace is not None:
                 return
-            gone = lease.lost  # handed over at its last request's end (to a parent, say)
+            # handed over at its last request's end (to a parent, say), and the run is over for
+            # sure (a gap's settle may go on after a tool call: its context stays in use)
+            gone = lease.lost and not gap
             if gone:
                 self.lease = None
         if gone:  # nothing to keep: say now that the run is over, so its context is done with

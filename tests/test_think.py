@@ -389,3 +389,34 @@ def test_a_subagent_session_whose_run_ends_after_handing_its_slot_to_a_parent_fr
             if reply["granted"]:  # A2's settle had not arrived yet: it comes at once
                 assert b.recv(SOON)["op"] == "granted"
             assert time.monotonic() - sent < SOON and d.holders(K) == ["B2"]
+
+
+@pytest.mark.parametrize("how", ["park", "gap", "release"])
+def test_over_the_socket_a_session_that_handed_its_slot_back_frees_its_context_when_its_run_is_over(how: str) -> None:
+    """The daemon side, with raw peers: A2 handed its slot to P between two requests (a
+    ``handback`` renew), P's turn is over and B2 waits.  A2's release, or its park for good,
+    though it holds no slot, ends its run: B2 gets the slot at once.  A ``gap`` park does not
+    (its run goes on after a tool call): B2 waits."""
+    for d in started(config={"defaults": AGED}):
+        teach(d.peer())
+        a2, p, b = d.peer(), d.peer(), d.peer()
+        assert a2.ask({"op": "acquire", "queueKey": K, "sessionKey": "A2", "role": "child"})["op"] == "granted"
+        a2.ask({"op": "usage", "queueKey": K, "sessionKey": "A2", "prefilled": 1000, "reused": 0})
+        p.send({"op": "acquire", "queueKey": K, "sessionKey": "P", "role": "parent"})
+        wait_for(lambda: d.waiting(K) == ["P"])
+        a2.ask({"op": "renew", "queueKey": K, "sessionKey": "A2", "handback": True, "busy": False})
+        assert p.recv(SOON)["op"] == "granted"
+        p.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 1000, "reused": 0})
+        b.send({"op": "acquire", "queueKey": K, "sessionKey": "B2", "role": "child"})
+        wait_for(lambda: d.waiting(K) == ["B2"])
+        assert p.ask({"op": "renew", "queueKey": K, "sessionKey": "P", "parked": True, "turn": True})["granted"]
+        if how == "release":
+            assert a2.ask({"op": "release", "queueKey": K, "sessionKey": "A2"})["op"] == "ok"
+        else:
+            message = {"op": "renew", "queueKey": K, "sessionKey": "A2", "parked": True}
+            reply = a2.ask({**message, "gap": True} if how == "gap" else message)
+            assert reply["granted"] is False
+        if how == "gap":
+            assert b.silent(0.3) and d.holders(K) == ["P"]
+        else:
+            assert b.recv(SOON)["op"] == "granted"
