@@ -3455,6 +3455,9 @@ class Lease:
         # Between two requests, the daemon told so (a ``handback`` renew went out): a waiting
         # parent gets the slot at once.  Its beats say so too, until the next request's.
         self._handback = False
+        # Called (on the beat thread) when a beat reply says the slot is gone: a settled run's
+        # release, so the daemon hears at once that the run is over (``Session.settle``).
+        self._on_lost: Optional[Callable[[], None]] = None
 
     def _set_role(self, role: str) -> None:
         """The tier of this lease's next grant (its session was re-tiered); only a parent's
@@ -3774,6 +3777,7 @@ class Client:
                     for lease in self._leases.get(self._owner(*key), ()):
                         if lease.queued:
                             lease.lost = True
+                            self._lost_now(lease)
                 waiting = None if "busy" in reply else self._beats.get(key)  # a busy mark waits for nothing
                 if waiting:
                     waiting.pop(0).resolve(reply)
@@ -3854,7 +3858,21 @@ class Client:
         self._wait_for_grant(lease, timeout)
         return lease
 
+    def _when_lost(self, lease: Lease, callback: Callable[[], None]) -> None:
+        """``callback`` runs (on the beat thread) once a beat reply says the lease's slot is
+        gone, or soon if it is gone already; the lease's next ``ensure`` forgets it."""
+        with self._cv:
+            lease._on_lost = callback
+            if lease.lost:
+                self._lost_now(lease)
+
+    def _lost_now(self, lease: Lease) -> None:
+        callback, lease._on_lost = lease._on_lost, None
+        if callback is not None:
+            self.call_later(0.0, callback)
+
     def _reacquire(self, lease: Lease, timeout: Optional[float]) -> None:
+        lease._on_lost = None
         lease.lost = False
         self._wait_for_grant(lease, timeout)
 
@@ -4445,6 +4463,10 @@ class Session:
                 lease.release()
 
             self._cancel_grace = self.client.call_later(self.grace_ms / 1000.0, release)
+            if not gap:
+                # handed over before it settled, the reply saying so still on its way (a park
+                # goes out only for a slot held): the run is over, said when the loss is learned
+                self.client._when_lost(lease, release)
             if never:
                 return
             if at_once:

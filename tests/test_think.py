@@ -17,6 +17,7 @@ with it.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, List
 
@@ -389,6 +390,47 @@ def test_a_subagent_session_whose_run_ends_after_handing_its_slot_to_a_parent_fr
             if reply["granted"]:  # A2's settle had not arrived yet: it comes at once
                 assert b.recv(SOON)["op"] == "granted"
             assert time.monotonic() - sent < SOON and d.holders(K) == ["B2"]
+
+
+def test_a_subagent_session_that_learns_only_after_its_settle_that_its_slot_was_handed_over_releases_at_once() -> None:
+    """The race CI found: A2's request ends (its handback renew hands the slot to P) and its
+    run settles before the reply saying so reaches the client.  The settle parks for good a
+    lease it still thinks held; the reply then marks it lost, and no park goes out for a slot
+    not held.  The settle must still say the run is over when it learns the loss, not after the
+    grace (10 s here): B2 gets the slot when P's turn is over.  To order the race, the client's
+    beat thread is kept busy (a ``call_later`` that waits) and its reader held back (its lock
+    taken) until the settle is done."""
+    for d in started(config={"defaults": AGED}):
+        teach(d.peer())
+        p, b = d.peer(), d.peer()
+        with client_of(d) as client:
+            client.status()  # connected: usage goes out only then
+            a2 = client.session(K, "A2", "child", grace_ms=10_000)
+            beats_stalled, beats_go = threading.Event(), threading.Event()
+            reader_held = False
+            try:
+                with a2.run():
+                    with a2.request():
+                        client.usage(K, "A2", 1000, 0)
+                        p.send({"op": "acquire", "queueKey": K, "sessionKey": "P", "role": "parent"})
+                        wait_for(lambda: d.waiting(K) == ["P"])
+                        client.call_later(0.0, lambda: (beats_stalled.set(), beats_go.wait(SOON * 5)) and None)
+                        assert beats_stalled.wait(SOON)
+                        reader_held = client._cv.acquire()  # the handback's reply waits for the settle
+                    assert p.recv(SOON)["op"] == "granted"  # handed back at the request's end
+                    lease = a2.lease
+                    assert lease is not None and not lease.lost  # not learned yet
+            finally:
+                if reader_held:
+                    client._cv.release()  # settled (parked for good) first; now the loss is learned
+            wait_for(lambda: lease.lost)
+            beats_go.set()  # the beat thread finds no held lease to park
+            p.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 1000, "reused": 0})
+            b.send({"op": "acquire", "queueKey": K, "sessionKey": "B2", "role": "child"})
+            wait_for(lambda: d.waiting(K) == ["B2"])
+            p.send({"op": "renew", "queueKey": K, "sessionKey": "P", "parked": True, "turn": True})
+            assert b.recv(SOON)["op"] == "granted"
+            assert d.holders(K) == ["B2"]
 
 
 @pytest.mark.parametrize("how", ["park", "gap", "release"])
