@@ -817,11 +817,12 @@ class Holder:
     __slots__ = (
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
         "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
-        "idle_since", "dead_ms", "spare", "handback", "gap", "turn",
+        "idle_since", "dead_ms", "spare", "handback", "gap", "turn", "background",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
-                 terms: LeaseTerms, seq: int, key: str, now: float, spare: bool = False) -> None:
+                 terms: LeaseTerms, seq: int, key: str, now: float, spare: bool = False,
+                 background: bool = False) -> None:
         self.queue = queue
         self.session = session
         self.role = role
@@ -849,6 +850,9 @@ class Holder:
         # does, only to a waiter whose run evicts no context in use.
         self.turn = False
         self.spare = spare  # on one of the queue's spare streams (parents only), not one of max_streams
+        # A parent with no person behind it (its acquire said ``background``): its park for good
+        # keeps the slot for a context in use, as a child's does (``Scheduler._refill``).
+        self.background = background and role == PARENT
         self.json = _who_json(session, role, group, spare)  # its entry in status replies
         # Dead time: since when it has had no request in flight (``busy: false``, or parked), and
         # the time it held the slot so while someone waited for it.
@@ -1447,6 +1451,7 @@ class Scheduler:
         if holder is not None:
             self._attach(holder, conn)
             self._refresh(holder, now, activity=True)
+            holder.background = holder.background and background  # a person is behind it now
             return [Granted(q.key, holder, ((conn, key),), new=False)]
         w = q.waiting.get(session)
         if w is not None:
@@ -1463,7 +1468,8 @@ class Scheduler:
             return cleared
         room = q.has_room()
         if room or spare and tier == PARENT and q.spare_room() and q.head(PARENT) is None:
-            holder = self._grant(q, session, tier, group, activity, key, now, spare=not room)
+            holder = self._grant(q, session, tier, group, activity, key, now, spare=not room,
+                                 background=background)
             self._attach(holder, conn)
             return [Granted(q.key, holder, ((conn, key),))]
         self._seq += 1
@@ -1978,7 +1984,7 @@ class Scheduler:
         heapq.heapify(self._idle_heap)
 
     def _grant(self, q: _Queue, session: str, tier: int, group: Optional[str], activity: bool,
-               key: str, now: float, spare: bool = False) -> Holder:
+               key: str, now: float, spare: bool = False, background: bool = False) -> Holder:
         self._grant_seq += 1
         q.grants += 1
         if tier == CHILD:
@@ -1986,7 +1992,7 @@ class Scheduler:
         elif not spare:  # a spare stream took no child's slot: it does not age the children
             q.parent_grants += 1
         holder = Holder(q, session, tier, group, activity, LeaseTerms.of(q.policy), self._grant_seq, key, now,
-                        spare)
+                        spare, background)
         if spare:
             q.spares += 1
         elif tier == PARENT:
@@ -2160,9 +2166,12 @@ class Scheduler:
             def gives_way(h: Holder) -> bool:
                 if h.parked and (h.gap or h.turn):  # its context in use: a tool call's, a person's
                     return gap_target is not None
-                if h.parked and h.role == CHILD:  # for good: its context is done with, not one still in use
+                if h.parked and (h.role == CHILD or h.background):
+                    # for good: its context is done with, not one still in use (a background
+                    # parent's as a child's: where every agent is a parent, as behind the proxy
+                    # with nothing named, each run's end would evict the next one's context)
                     return self._gap_target(q, nxt, now, done=h.session) is not None
-                if h.parked:  # a parent's for good: never kept (the person's settle has its own rule)
+                if h.parked:  # a person's parent's for good: never kept (their settle has its own rule)
                     return True
                 # while the cost is unknown: a probe (one at a time), or the slot back at once to
                 # the one that gave way last, whose return is awaited
@@ -2174,7 +2183,8 @@ class Scheduler:
 
             holder = next((h for h in q.parked if gives_way(h) and q.frees_for_waiter(h)), None)
             if holder is None:
-                if gap_target is None or any(h.parked and not h.gap and h.role == CHILD for h in q.parked):
+                if gap_target is None or any(h.parked and not h.gap and (h.role == CHILD or h.background)
+                                           for h in q.parked):
                     self._recheck_gap(q, now)  # kept for a context in use: look again when it is done with
                 break
             if holder.gap or holder.turn or not holder.parked and not to_parent:
@@ -2321,7 +2331,7 @@ class Scheduler:
         if not targets:  # everyone who asked has gone: never grant a dead waiter
             events.append(Dequeued(q.key, w, "disconnect"))
             return
-        holder = self._grant(q, w.session, w.role, w.group, w.activity, targets[0][1], now, spare)
+        holder = self._grant(q, w.session, w.role, w.group, w.activity, targets[0][1], now, spare, w.background)
         for conn, _ in targets:
             self._attach(holder, conn)
         q.switches += 1
