@@ -4393,6 +4393,8 @@ class Session:
 
     def _call_off_grace(self) -> None:
         self._turn += 1
+        if self.lease is not None:
+            self.lease._on_lost = None  # the settled run's release-on-loss (``settle``) is void
         if self._cancel_grace is not None:
             self._cancel_grace()
             self._cancel_grace = None
