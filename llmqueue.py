@@ -1526,14 +1526,17 @@ class Scheduler:
             self._idle_due.add(q)
 
     def set_role(self, session: str, role: str, *, now: float) -> list[Event]:
-        """Re-tier the session's live waiters in place (their enqueue order is kept).  A holder
-        keeps the tier it was granted with.  No slot is freed, but a parent that asked for a spare
+        """Re-tier the session's live waiters in place (their enqueue order is kept); one made a
+        child ages by slots from here (the parents granted before did not pass it as a child, so
+        it does not go before a person as aged).  A holder keeps the tier it was granted with.  No slot is freed, but a parent that asked for a spare
         stream may now head the parents and take one."""
         tier = ROLES.index(role)
         events: list[Event] = []
         for w in list(self._session_waiters.get(session, ())):
             if w.role != tier:
                 old, w.role = w.role, tier
+                if tier == CHILD:  # the parents granted while it waited as one did not pass a child
+                    w.parent_mark = w.queue.parent_grants  # slot aging starts now
                 w.json = _who_json(w.session, tier, w.group, background=w.background and tier == PARENT)
                 w.version += 1
                 w.queue.bury(old)

@@ -534,3 +534,45 @@ def test_a_server_busy_or_locked_is_asked_again_later(monkeypatch: Any) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+
+def test_a_parent_re_tiered_to_child_ages_from_its_re_tier_not_from_the_parents_it_queued_among() -> None:
+    """Behind the proxy with nothing named, every agent is a parent until a person speaks; the
+    others then go behind the person as children.  One that waited as a parent while three
+    parents ahead of it were granted had not waited behind parents as a child: it must not count
+    as aged by slots and go before the person (it did, in the benchmark's interactive
+    proxy-anon runs: the person's second turn waited a whole subagent request)."""
+    s = sched(agingAfterSlots=3, agingAfterMs=0)
+    s.acquire("h", K, "H", "parent", now=T0)
+    for i, who in enumerate(("A1", "A2", "A3", "B")):
+        s.acquire(who.lower(), K, who, "parent", now=T0 + 1 + i)
+    for i, who in enumerate(("H", "A1", "A2")):  # A1, A2, A3 granted while B waits, a parent
+        assert names(s.release(K, who, now=T0 + 10 + i)) == [f"A{i + 1}"]
+    s.set_role("B", "child", now=T0 + 20)  # a person spoke: B is background now
+    s.acquire("p", K, "P", "parent", now=T0 + 21)
+    assert names(s.release(K, "A3", now=T0 + 30)) == ["P"]
+    for i, who in enumerate(("X", "Y", "Z")):  # as a child it ages as any child does
+        s.acquire(who.lower(), K, who, "parent", now=T0 + 31 + i)
+    assert names(s.release(K, "P", now=T0 + 40)) == ["X"]
+    assert names(s.release(K, "X", now=T0 + 41)) == ["Y"]
+    assert names(s.release(K, "Y", now=T0 + 42)) == ["B"]  # three parents (P, X, Y) went ahead of it
+
+
+def test_over_the_socket_a_waiter_re_tiered_to_child_does_not_go_before_the_person_as_aged() -> None:
+    """The same through the socket, with the ``role`` op the proxy sends when a person speaks."""
+    for d in started(config={"defaults": {"agingAfterSlots": 3, "agingAfterMs": 0}}):
+        h, a1, a2, a3, b, p = (d.peer() for _ in range(6))
+        assert h.ask({"op": "acquire", "queueKey": K, "sessionKey": "H", "role": "parent"})["op"] == "granted"
+        for peer, who in ((a1, "A1"), (a2, "A2"), (a3, "A3"), (b, "B")):
+            peer.send({"op": "acquire", "queueKey": K, "sessionKey": who, "role": "parent"})
+            wait_for(lambda: who in d.waiting(K))
+        for peer, who, nxt in ((h, "H", a1), (a1, "A1", a2), (a2, "A2", a3)):
+            peer.ask({"op": "release", "queueKey": K, "sessionKey": who})
+            assert nxt.recv(SOON)["op"] == "granted"
+        b.send({"op": "role", "sessionKey": "B", "role": "child"})
+        wait_for(lambda: d.queue(K)["waiting"] == [{"sessionKey": "B", "role": "child", "group": None}])
+        p.send({"op": "acquire", "queueKey": K, "sessionKey": "P", "role": "parent"})
+        wait_for(lambda: sorted(d.waiting(K)) == ["B", "P"])
+        a3.ask({"op": "release", "queueKey": K, "sessionKey": "A3"})
+        assert p.recv(SOON)["op"] == "granted" and b.silent(0.2)
