@@ -1534,13 +1534,18 @@ class Scheduler:
         events: list[Event] = []
         for w in list(self._session_waiters.get(session, ())):
             if w.role != tier:
+                head = w.queue.head(CHILD)
                 old, w.role = w.role, tier
-                if tier == CHILD:  # the parents granted while it waited as one did not pass a child
-                    w.parent_mark = w.queue.parent_grants  # slot aging starts now
                 w.json = _who_json(w.session, tier, w.group, background=w.background and tier == PARENT)
                 w.version += 1
                 w.queue.bury(old)
                 w.queue.push(w)
+                if tier == CHILD:
+                    # The parents granted while it waited as one did not pass a child: its slot
+                    # aging starts now, unless it heads the children now, ahead of one that has
+                    # aged so far (that one's count goes on, the tier's head's)
+                    ahead = head is not None and w.queue.head(CHILD) is w
+                    w.parent_mark = head.parent_mark if head is not None and ahead else w.queue.parent_grants
                 self._heads_changed(w.queue, now, events)
         return events
 
@@ -2188,7 +2193,7 @@ class Scheduler:
             if holder is None:
                 if gap_target is None or any(h.parked and not h.gap and (h.role == CHILD or h.background)
                                            for h in q.parked):
-                    self._recheck_gap(q, now)  # kept for a context in use: look again when it is done with
+                    self._recheck_gap(q, now, nxt)  # kept for a context in use: look again when it is done with
                 break
             if holder.gap or holder.turn or not holder.parked and not to_parent:
                 target = gap_target
@@ -2220,19 +2225,24 @@ class Scheduler:
                 self._grant_waiter(q, target, now, events)  # a waiter whose context is kept goes first
             self._fill(q, now, events)
 
-    def _recheck_gap(self, q: _Queue, now: float) -> None:
+    def _recheck_gap(self, q: _Queue, now: float, nxt: Optional[Waiter] = None) -> None:
         """A holder between two requests kept its slot from a waiter whose run would evict the
         context of a session that gave way in a tool-call gap, or of a person between turns: that
         one is in use only so long (``_Queue.in_use``), so the sweep looks again then.  (A holder
-        or a waiter in use gives an event of its own when that changes.)"""
+        or a waiter in use gives an event of its own when that changes.)  And at the latest when
+        ``nxt``, the waiter kept out, has waited ``agingAfterMs``: it goes then whatever it costs
+        (``_gap_target``), so a context in use with no end in sight (a holder's, on another
+        stream) never keeps it waiting for longer."""
         affinity = self._affinity.get(q.key)
         resident = affinity.resident() if affinity is not None else []
         until = q.in_use_until(resident[-1]) if resident else None
-        if until is None:
+        times = [until + 1.0] if until is not None else []
+        if nxt is not None and q.policy.aging_after_ms > 0:
+            times.append(nxt.enqueued_at + q.policy.aging_after_ms)
+        times = [t for t in times if t > now]  # an away context past its time is in use no longer
+        if not times:
             return
-        when = until + 1.0
-        if when <= now:  # pragma: no cover - an away context past its time is in use no longer
-            return
+        when = min(times)
         self._tick += 1
         heapq.heappush(self._gap_heap, (when, self._tick, q))
         if len(self._gap_heap) > 2 * len(self._queues) + 64:
@@ -4445,13 +4455,14 @@ class Session:
             if lease is None or lease.released or self._cancel_grace is not None:
                 return
             # handed over at its last request's end (to a parent, say), and the run is over for
-            # sure (a gap's settle may go on after a tool call: its context stays in use)
-            gone = lease.lost and not gap
-            if gone:
+            # sure (a gap's settle may go on after a tool call, and a person answers a turn: the
+            # context stays in use, as one given up in a gap, for as long as tool calls take)
+            if lease.lost and not gap and not person:
+                # nothing to keep: say now that the run is over, so its context is done with (the
+                # release goes out under the lock: a run that starts now queues after it)
                 self.lease = None
-        if gone:  # nothing to keep: say now that the run is over, so its context is done with
-            lease.release()
-            return
+                lease.release()
+                return
         with self._lock:
             if self.lease is not lease or lease.released or self._cancel_grace is not None:
                 return  # another thread settled it, or a run began, meanwhile
@@ -4475,10 +4486,10 @@ class Session:
                     self._unpark()
                     if self.lease is lease:
                         self.lease = None
-                lease.release()
+                    lease.release()  # under the lock: a run that starts now queues after it
 
             self._cancel_grace = self.client.call_later(self.grace_ms / 1000.0, release)
-            if not gap:
+            if not gap and not person:
                 # handed over before it settled, the reply saying so still on its way (a park
                 # goes out only for a slot held): the run is over, said when the loss is learned
                 self.client._when_lost(lease, release)

@@ -90,6 +90,30 @@ def test_core_a_background_parents_park_for_good_waits_for_a_context_in_use_as_a
     assert granted(s.sweep(now=due)) == ["B"]
 
 
+def test_core_a_park_kept_for_a_context_in_use_with_no_end_in_sight_lets_the_waiter_go_once_it_aged() -> None:
+    """The context A's slot is kept for is C's, a person's parent streaming on the spare stream:
+    in use as long as C holds, with no time the sweep could look again at.  N, kept out, still
+    goes once it has waited ``agingAfterMs`` (an aged waiter goes whatever it costs): nobody
+    starves behind an idle slot.  Before, nothing looked again, and N waited for as long as C
+    held (found by review: 300 s and more)."""
+    s = taught(agingAfterMs=60_000, agingAfterSlots=3)
+    s.acquire("k1", K, "K1", "child", now=T0)
+    s.acquire("c", K, "C", "parent", now=T0 + 1, spare=True)  # a person's parent, beside K1
+    bg(s, "A", T0 + 2)
+    assert granted(s.release(K, "K1", now=T0 + 3)) == ["A"]
+    assert s.park(K, "A", now=T0 + 10) == (True, [])  # for good: it waits on its subagent N
+    assert granted(s.acquire("n", K, "N", "child", now=T0 + 20)) == []  # N's run would evict C's
+    now, got = T0 + 20, []
+    while not got and now < T0 + 300_000:  # the holders beat; the sweep runs at each deadline
+        due = s.next_deadline()
+        assert due is not None
+        now = due
+        for who in ("c", "a", "n"):
+            s.renew(who, now=now)
+        got = granted(s.sweep(now=now))
+    assert got == ["N"] and now <= T0 + 20 + 60_000 + 1
+
+
 def test_core_a_persons_parents_park_for_good_is_never_kept_for_a_context() -> None:
     s = taught()
     bg(s, "C", T0)

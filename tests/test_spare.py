@@ -576,3 +576,24 @@ def test_over_the_socket_a_waiter_re_tiered_to_child_does_not_go_before_the_pers
         wait_for(lambda: sorted(d.waiting(K)) == ["B", "P"])
         a3.ask({"op": "release", "queueKey": K, "sessionKey": "A3"})
         assert p.recv(SOON)["op"] == "granted" and b.silent(0.2)
+
+
+def test_a_waiter_re_tiered_to_child_ahead_of_a_waiting_child_takes_over_its_aging_count() -> None:
+    """A re-tier must not reset the child tier's slot aging: W, re-tiered to child, queued before
+    C, so it heads the children; three parents went while C waited, so the children's head goes
+    next -- W, and C's count starts again after it, as for any child granted (found by review:
+    W's fresh count made C wait nine parents instead of six)."""
+    s = sched(agingAfterSlots=3, agingAfterMs=0)
+    s.acquire("h", K, "H", "parent", now=T0)
+    for i, who in enumerate(("P1", "P2", "P3", "W")):
+        s.acquire(who.lower(), K, who, "parent", now=T0 + 1 + i)
+    s.acquire("c", K, "C", "child", now=T0 + 6)
+    for i in range(4, 10):
+        s.acquire(f"p{i}", K, f"P{i}", "parent", now=T0 + 7 + i)
+    order, holder = [], "H"
+    for step in range(8):
+        if step == 3:
+            s.set_role("W", "child", now=T0 + 30)
+        (holder,) = names(s.release(K, holder, now=T0 + 31 + step))
+        order.append(holder)
+    assert order == ["P1", "P2", "P3", "W", "P4", "P5", "P6", "C"]

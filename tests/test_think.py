@@ -433,6 +433,35 @@ def test_a_subagent_session_that_learns_only_after_its_settle_that_its_slot_was_
             assert d.holders(K) == ["B2"]
 
 
+def test_a_persons_session_whose_slot_went_to_another_parent_at_its_turns_end_keeps_its_context_in_use() -> None:
+    """P1 (a person's ``Client`` session) ends its turn while another parent, P2, waits: the
+    slot goes to P2 at P1's request's end.  P1's person reads the answer and comes back, so its
+    context stays in use, as a context given up in a gap: when P2 parks for a tool call, the
+    subagent N, whose run would evict P1's context, does not get the slot at once.  (A settle
+    that released a lost lease at once said P1's context was done with, and N went: found by
+    review.)"""
+    for d in started(config={"defaults": AGED}):
+        teach(d.peer())
+        p2, n = d.peer(), d.peer()
+        with client_of(d) as client:
+            client.status()  # connected: usage goes out only then
+            p1 = client.session(K, "P1", "parent", spare=False)
+            with p1.run():
+                with p1.request():
+                    client.usage(K, "P1", 1000, 0)
+                    p2.send({"op": "acquire", "queueKey": K, "sessionKey": "P2", "role": "parent"})
+                    wait_for(lambda: d.waiting(K) == ["P2"])
+            assert p2.recv(SOON)["op"] == "granted"
+            wait_for(lambda: p1.lease is None or p1.lease.lost)  # the loss is learned
+            p2.ask({"op": "usage", "queueKey": K, "sessionKey": "P2", "prefilled": 1000, "reused": 0})
+            n.send({"op": "acquire", "queueKey": K, "sessionKey": "N", "role": "child"})
+            wait_for(lambda: d.waiting(K) == ["N"])
+            time.sleep(0.2)  # a release on the loss would be in by now
+            assert p2.ask({"op": "renew", "queueKey": K, "sessionKey": "P2", "parked": True,
+                           "gap": True})["granted"] is True
+            assert n.silent(0.3) and d.holders(K) == ["P2"]
+
+
 @pytest.mark.parametrize("how", ["park", "gap", "release"])
 def test_over_the_socket_a_session_that_handed_its_slot_back_frees_its_context_when_its_run_is_over(how: str) -> None:
     """The daemon side, with raw peers: A2 handed its slot to P between two requests (a
