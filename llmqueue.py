@@ -111,11 +111,13 @@ CONFIG_DEBOUNCE_MS = 250.0  # spec: hot-reload debounce -- an editor's save sett
 CONFIG_POLL_MS = 1000.0  # the config stat poll; an idle daemon wakes at most this often
 DEFAULT_SWEEP_MS = 1000  # spec: --sweep-ms default
 GRACE_MS = 3000  # spec: a client releases this long after its run settles
-# A settled parent keeps its slot this long even while someone waits (a follow-up run of the same
-# agent, woken by a tool or a child's answer, starts switch-free), then parks for the rest of its
-# grace.  A person's next turn comes later than this, and a waiting subagent should not idle
-# through the person's think time: measured on the interactive workload, a 1 s window spent half
-# of a 2 s think time idle, and the background got a quarter of its requests done.
+# A settled parent with no person behind it (``background``) keeps its slot this long even while
+# someone waits (a follow-up run of the same agent, woken by a tool or a child's answer, starts
+# switch-free), then parks for the rest of its grace.  A person's parent parks at once: a person's
+# next turn comes later than this, and a waiting subagent should not idle through the person's
+# think time (measured on the interactive workload: a 1 s window spent half of a 2 s think time
+# idle, and the background got a quarter of its requests done; this one, 10% of the run where
+# contexts fit).
 PARENT_HANDBACK_MS = 250
 # Between two of its requests, a holder's slot goes to a waiting parent where switches are cheap
 # (two agents with nothing named, both parents, take turns instead of one waiting out the other's
@@ -4441,8 +4443,9 @@ class Session:
         """The run settled: release after the grace, unless the next run starts first.
         ``park_after`` (seconds, at most the grace): keep the slot that long whoever waits, then
         park for the rest of the grace (at once, should a usage reply say meanwhile that switches
-        are cheap: a waiter going first costs it no prefill); None: the session's own rule (a subagent parks at once,
-        a parent after ``PARENT_HANDBACK_MS``, and with ``yield_on_settle`` off it never parks).
+        are cheap: a waiter going first costs it no prefill); None: the session's own rule (a subagent
+        parks at once, and so does a person's parent, since a person answers next; a parent with no
+        person behind it after ``PARENT_HANDBACK_MS``; with ``yield_on_settle`` off it never parks).
         ``gap``: the run may go on after a tool call (the proxy cannot tell), so its park says so
         (``Lease.blocking``).  ``person``: a person answers next (the run's end is their turn
         over), so its park says so (``turn``) and the daemon counts the context in use while the
@@ -4471,7 +4474,9 @@ class Session:
             self.client._gap_over(self.queue_key, self.session_key)
             self._request_end = None
             never = park_after is None and not self.yield_on_settle
-            at_once = park_after is None and self.role == "child" or park_after is not None and park_after <= 0
+            # a subagent's work is done; a person answers next, seconds from now at the soonest
+            # (the proxy's rule for a response that ended the turn): nothing to keep it for
+            at_once = park_after is None and (self.role == "child" or person) or park_after is not None and park_after <= 0
             # Kept for a while (the window below): a parent that waits gets it at once meanwhile.
             # Said before the gap's park ends, so no beat of the old gap goes out after it.
             handback = not never and not at_once and self._hands_back_in_gaps()

@@ -12,8 +12,9 @@ suites in test_leases.py).
 Through ``Client``: ``session.blocking()`` and a blocking tool park the lease (a waiting session is
 granted at once, and the parked session queues again at its next request); a parked session that
 nobody needed resumes switch-free; a settled subagent hands over at once and keeps its slot
-through the grace only while nobody waits; a settled parent keeps its slot for
-``PARENT_HANDBACK_MS`` (a follow-up run starts switch-free), then hands over.
+through the grace only while nobody waits; a settled parent with no person behind it keeps its
+slot for ``PARENT_HANDBACK_MS`` (a follow-up run starts switch-free), then hands over (a person's
+parent hands over at once: test_think).
 
 Handing back: a child holder's keyed beat reply says ``parentWaiting: true`` while a parent
 waits; an ``acquire`` with ``resume: true`` queues a child ahead of the other children; a child
@@ -205,9 +206,12 @@ def test_a_settled_subagent_hands_over_at_once_and_keeps_its_slot_only_while_nob
 
 
 def test_a_settled_parent_keeps_its_slot_for_the_handback_window_then_hands_over() -> None:
+    """A parent with no person behind it (``background``: an agent a tool or a child's answer
+    wakes again); a person's parent parks at once (test_think)."""
     for d in started():
         with client_of(d) as client:
             parent = client.session(K, "main", "parent", grace_ms=5000)
+            parent.background = True
             with parent.run():
                 pass
             sent = time.monotonic()
@@ -223,6 +227,7 @@ def test_a_parent_whose_next_run_starts_within_the_window_keeps_its_slot_switch_
     for d in started():
         with client_of(d) as client:
             parent = client.session(K, "main", "parent")
+            parent.background = True  # an agent, woken again by a tool or a child's answer
             with parent.run():
                 pass
             other = grant_after(client, "sub1", "child")

@@ -269,9 +269,35 @@ def test_a_bad_turn_field_is_an_error_reply_that_changes_nothing() -> None:
 # -- Client ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("person", [True, False])
+def test_a_persons_settle_hands_a_waiter_the_slot_at_once_and_an_agents_keeps_its_handback_window(
+        person: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A person answers next: their session's settle parks (with ``turn``) at once, as the
+    proxy's does for a response that ended the turn, so a waiting subagent does not idle through
+    the parent's handback window (250 ms of every turn, 10% of the interactive run where
+    contexts fit).  A parent with no person behind it (``background``), which a tool or a child's
+    answer may wake again at once, keeps the window.  The window is made 5 s here to tell them
+    apart."""
+    monkeypatch.setattr(lq, "PARENT_HANDBACK_MS", 5000)
+    for d in started():
+        with client_of(d) as client:
+            main = client.session(K, "P", "parent", grace_ms=10_000)
+            main.background = not person
+            sub = d.peer()
+            with main.run():
+                with main.request():
+                    sub.send({"op": "acquire", "queueKey": K, "sessionKey": "S", "role": "child"})
+                    wait_for(lambda: d.waiting(K) == ["S"])
+            if person:
+                assert sub.recv(SOON)["op"] == "granted"
+            else:
+                assert sub.silent(SOON) and d.holders(K) == ["P"]
+            main.close()
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_a_parent_sessions_settled_run_is_a_turn_over_unless_no_person_is_behind_it(background: bool) -> None:
-    """A parent ``Session``'s run settles: it parks with ``turn`` (after ``PARENT_HANDBACK_MS``),
+    """A parent ``Session``'s run settles: it parks with ``turn`` (at once: a person answers next),
     so A, whose context is kept, gets the slot, and A's gap then keeps it from B.  A session
     marked ``background`` parks for good: A's gap gives the slot to B."""
     log = os.path.join(short_tmpdir(), "events.log")
