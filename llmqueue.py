@@ -1530,8 +1530,9 @@ class Scheduler:
     def set_role(self, session: str, role: str, *, now: float) -> list[Event]:
         """Re-tier the session's live waiters in place (their enqueue order is kept); one made a
         child ages by slots from here (the parents granted before did not pass it as a child, so
-        it does not go before a person as aged).  A holder keeps the tier it was granted with.  No slot is freed, but a parent that asked for a spare
-        stream may now head the parents and take one."""
+        it does not go before a person as aged).  A holder keeps the tier it was granted with.
+        No slot is freed, but a parent that asked for a spare stream may now head the parents and
+        take one."""
         tier = ROLES.index(role)
         events: list[Event] = []
         for w in list(self._session_waiters.get(session, ())):
@@ -4476,7 +4477,8 @@ class Session:
             never = park_after is None and not self.yield_on_settle
             # a subagent's work is done; a person answers next, seconds from now at the soonest
             # (the proxy's rule for a response that ended the turn): nothing to keep it for
-            at_once = park_after is None and (self.role == "child" or person) or park_after is not None and park_after <= 0
+            at_once = (park_after is None and (self.role == "child" or person)
+                       or park_after is not None and park_after <= 0)
             # Kept for a while (the window below): a parent that waits gets it at once meanwhile.
             # Said before the gap's park ends, so no beat of the old gap goes out after it.
             handback = not never and not at_once and self._hands_back_in_gaps()
