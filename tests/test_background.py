@@ -197,18 +197,26 @@ def test_core_a_background_parent_past_aging_goes_first_whatever_it_costs() -> N
 # -- the wire -------------------------------------------------------------------------------------
 
 
+def a_holds_c_in_a_tool_call_b_waits(d: DaemonProc, a_background: bool) -> Any:
+    """Over the socket, the lesson taught: background parent C gave its slot to parent A in a
+    tool-call gap (A's context is kept), then background parent B queued (its run would evict
+    C's context, in use).  Returns the peers of C, A and B."""
+    p, c, a, b = d.peer(), d.peer(), d.peer(), d.peer()
+    teach(p)
+    assert c.ask({"op": "acquire", "queueKey": K, "sessionKey": "C", "role": "parent",
+                  "background": True})["op"] == "granted"
+    a.send({"op": "acquire", "queueKey": K, "sessionKey": "A", "role": "parent", "background": a_background})
+    wait_for(lambda: d.waiting(K) == ["A"])
+    c.ask({"op": "renew", "queueKey": K, "sessionKey": "C", "parked": True, "gap": True})
+    assert a.recv(SOON)["op"] == "granted"  # A's context is kept
+    b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "parent", "background": True})
+    wait_for(lambda: d.waiting(K) == ["B"])
+    return c, a, b
+
+
 def test_over_the_socket_a_background_parent_is_kept_waiting_for_a_context_in_use_and_a_person_is_not() -> None:
     for d in started(config={"defaults": {"agingAfterMs": 0, "agingAfterSlots": 0}}):
-        p, c, a, b = d.peer(), d.peer(), d.peer(), d.peer()
-        teach(p)
-        assert c.ask({"op": "acquire", "queueKey": K, "sessionKey": "C", "role": "parent",
-                      "background": True})["op"] == "granted"
-        a.send({"op": "acquire", "queueKey": K, "sessionKey": "A", "role": "parent", "background": True})
-        wait_for(lambda: d.waiting(K) == ["A"])
-        c.ask({"op": "renew", "queueKey": K, "sessionKey": "C", "parked": True, "gap": True})
-        assert a.recv(SOON)["op"] == "granted"  # A's context is kept
-        b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "parent", "background": True})
-        wait_for(lambda: d.waiting(K) == ["B"])
+        c, a, b = a_holds_c_in_a_tool_call_b_waits(d, a_background=True)
         assert d.queue(K)["waiting"] == [{"sessionKey": "B", "role": "parent", "group": None, "background": True}]
         reply = a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True, "gap": True})
         assert reply["granted"] is True  # kept: B's run would evict C's context, in use
@@ -224,16 +232,7 @@ def test_over_the_socket_a_background_parents_park_for_good_is_kept_for_a_contex
     run would evict C's.  A's run ends: a park for good.  A background A keeps the slot for C,
     and C's return takes it; a person's A gives it to B at once."""
     for d in started(config={"defaults": {"agingAfterMs": 0, "agingAfterSlots": 0}}):
-        p, c, a, b = d.peer(), d.peer(), d.peer(), d.peer()
-        teach(p)
-        assert c.ask({"op": "acquire", "queueKey": K, "sessionKey": "C", "role": "parent",
-                      "background": True})["op"] == "granted"
-        a.send({"op": "acquire", "queueKey": K, "sessionKey": "A", "role": "parent", "background": background})
-        wait_for(lambda: d.waiting(K) == ["A"])
-        c.ask({"op": "renew", "queueKey": K, "sessionKey": "C", "parked": True, "gap": True})
-        assert a.recv(SOON)["op"] == "granted"
-        b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "parent", "background": True})
-        wait_for(lambda: d.waiting(K) == ["B"])
+        c, a, b = a_holds_c_in_a_tool_call_b_waits(d, a_background=background)
         reply = a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True})
         if not background:
             assert reply["granted"] is False and b.recv(SOON)["op"] == "granted"
@@ -242,6 +241,25 @@ def test_over_the_socket_a_background_parents_park_for_good_is_kept_for_a_contex
         assert c.ask({"op": "acquire", "queueKey": K, "sessionKey": "C", "role": "parent",
                       "background": True})["op"] == "granted"
         assert d.holders(K) == ["C"] and d.waiting(K) == ["B"]
+
+
+def test_over_the_socket_a_slot_kept_for_a_context_with_no_end_in_sight_goes_once_the_waiter_aged() -> None:
+    """The core case above through the socket, with ``agingAfterMs`` 500: N, kept out for the
+    context of C (a person's parent on the spare stream), is granted once it has waited 500 ms."""
+    for d in started(config={"defaults": {"agingAfterMs": 500, "agingAfterSlots": 3}}):
+        p, k1, c, a, n = (d.peer() for _ in range(5))
+        teach(p)
+        assert k1.ask({"op": "acquire", "queueKey": K, "sessionKey": "K1", "role": "child"})["op"] == "granted"
+        assert c.ask({"op": "acquire", "queueKey": K, "sessionKey": "C", "role": "parent",
+                      "spare": True})["op"] == "granted"
+        a.send({"op": "acquire", "queueKey": K, "sessionKey": "A", "role": "parent", "background": True})
+        wait_for(lambda: d.waiting(K) == ["A"])
+        k1.ask({"op": "release", "queueKey": K, "sessionKey": "K1"})
+        assert a.recv(SOON)["op"] == "granted"
+        assert a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True})["granted"] is True
+        n.send({"op": "acquire", "queueKey": K, "sessionKey": "N", "role": "child"})
+        assert n.silent(0.2)  # kept out: its run would evict C's context
+        assert n.recv(0.5 + 2.0)["op"] == "granted"  # aged: it goes whatever it costs
 
 
 def test_a_bad_background_field_is_an_error_reply_that_changes_nothing() -> None:

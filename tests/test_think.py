@@ -391,6 +391,13 @@ def test_core_a_gap_park_of_a_session_that_handed_its_slot_back_changes_nothing(
     assert granted(s.sweep(now=T0 + 450)) == []
 
 
+def b2_waits_behind_p(d: Any, p: Any, b: Any) -> None:
+    """P, granted after A2, has its usage counted, and B2 (a subagent on peer ``b``) queues."""
+    p.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 1000, "reused": 0})
+    b.send({"op": "acquire", "queueKey": K, "sessionKey": "B2", "role": "child"})
+    wait_for(lambda: d.waiting(K) == ["B2"])
+
+
 def test_a_subagent_session_whose_run_ends_after_handing_its_slot_to_a_parent_frees_its_context_at_once() -> None:
     """A2 (a ``Client`` subagent session) hands its slot to the waiting person P at its
     request's end, and its run ends there.  Its settle says so, so when P's turn is over B2 gets
@@ -408,9 +415,7 @@ def test_a_subagent_session_whose_run_ends_after_handing_its_slot_to_a_parent_fr
                     p.send({"op": "acquire", "queueKey": K, "sessionKey": "P", "role": "parent"})
                     wait_for(lambda: d.waiting(K) == ["P"])
                 assert p.recv(SOON)["op"] == "granted"  # handed back at the request's end
-            p.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 1000, "reused": 0})
-            b.send({"op": "acquire", "queueKey": K, "sessionKey": "B2", "role": "child"})
-            wait_for(lambda: d.waiting(K) == ["B2"])
+            b2_waits_behind_p(d, p, b)
             sent = time.monotonic()
             reply = p.ask({"op": "renew", "queueKey": K, "sessionKey": "P", "parked": True, "turn": True})
             if reply["granted"]:  # A2's settle had not arrived yet: it comes at once
@@ -451,9 +456,7 @@ def test_a_subagent_session_that_learns_only_after_its_settle_that_its_slot_was_
                     client._cv.release()  # settled (parked for good) first; now the loss is learned
             wait_for(lambda: lease.lost)
             beats_go.set()  # the beat thread finds no held lease to park
-            p.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 1000, "reused": 0})
-            b.send({"op": "acquire", "queueKey": K, "sessionKey": "B2", "role": "child"})
-            wait_for(lambda: d.waiting(K) == ["B2"])
+            b2_waits_behind_p(d, p, b)
             p.send({"op": "renew", "queueKey": K, "sessionKey": "P", "parked": True, "turn": True})
             assert b.recv(SOON)["op"] == "granted"
             assert d.holders(K) == ["B2"]
