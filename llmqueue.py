@@ -1021,16 +1021,30 @@ def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional
     return "cheap" if who >= 2 or who and contexts is not None and contexts >= 2 else "unknown"
 
 
-def learned_contexts(kept: Sequence[float], depths: Sequence[int], contexts: Optional[int] = None) -> Optional[int]:
+def learned_contexts(kept: Sequence[float], depths: Sequence[int], contexts: Optional[int] = None,
+                     floor: int = 0) -> Optional[int]:
     """How many contexts the server keeps, as the returns show it, from ``contexts`` known before:
     None while no return was evicted; an eviction at depth d says at most d (the session's own and
     d - 1 others'), and a return kept at depth d at least d + 1, the later of two that disagree
-    winning (contexts grow, and sizes differ)."""
+    winning (contexts grow, and sizes differ).
+
+    The first eviction, deeper than the kept returns before it showed room for (``floor``, and
+    those in ``kept``: the most contexts one of them showed, depth + 1, at least 2), leaves the
+    bound anywhere between the two: the lower is taken, until a return kept deeper raises it.  A
+    bound too high lets a run evict a context the queue means to keep (a thinking person's: on
+    a real llama-server the first eviction came at depth 3 where two contexts fit, and cost the
+    person's next turn its whole prefill); one too low keeps a slot for a context the server
+    would have kept."""
     for share, depth in zip(kept, depths):
         if share < KEPT_CHEAP:
-            contexts = depth if contexts is None else min(contexts, depth)
-        elif contexts is not None and contexts <= depth:
-            contexts = min(MAX_DEPTH, depth + 1)
+            if contexts is None:
+                contexts = floor if 2 <= floor < depth else depth
+            else:
+                contexts = min(contexts, depth)
+        else:
+            floor = max(floor, depth + 1)
+            if contexts is not None and contexts <= depth:
+                contexts = min(MAX_DEPTH, depth + 1)
     return contexts
 
 
@@ -1075,10 +1089,11 @@ class _Affinity:
         if (before and self.last is not None and self.last != session
                 and (prefilled + reused >= before or not whole)):
             kept = min(1.0, reused / before)
+            floor = max((d + 1 for k, d in zip(self.kept, self.depths) if k >= KEPT_CHEAP), default=0)
             self.kept.append(kept)
             self.back.append(session)
             self.depths.append(depth)
-            self.contexts = learned_contexts([kept], [depth], self.contexts)
+            self.contexts = learned_contexts([kept], [depth], self.contexts, floor)
             self.returns += 1
         self.prompts[session] = prefilled + reused
         while len(self.prompts) > 1024:

@@ -106,6 +106,24 @@ def test_core_an_eviction_after_two_others_bounds_the_contexts_and_switches_stay
     assert lq.switch_cost([1.0, 1.0], "auto", ["A", "A"], [1, 1]) == "unknown"
 
 
+def test_core_a_first_eviction_deeper_than_the_kept_returns_showed_room_for_takes_the_lower_bound() -> None:
+    """Returns kept after one other say two contexts fit at least; a first eviction after three
+    others says three at most.  The bound is taken as two until a return kept after two others
+    shows three (a real llama-server's first eviction came at depth 3 where two fit)."""
+    assert lq.learned_contexts([1.0, 1.0, 0.0], [1, 1, 3]) == 2
+    assert lq.learned_contexts([1.0, 0.0], [2, 4]) == 3
+    assert lq.learned_contexts([1.0, 1.0, 0.0, 1.0], [1, 1, 3, 2]) == 3  # kept deeper: raised
+    assert lq.learned_contexts([0.0], [3]) == 3  # nothing kept before: no lower bound to take
+    assert lq.learned_contexts([0.0], [3], floor=2) == 2  # kept returns known before
+    assert lq.learned_contexts([1.0, 0.0, 0.0], [1, 3, 1], 4) == 1  # a bound known: no tentative one
+    s = sched()
+    for who, prefilled, reused in LESSON[:4] + (("C", 1000, 0), ("D", 1000, 0), ("A", 1020, 0)):
+        s.usage(K, who, prefilled, reused)
+    assert affinity(s)["contexts"] == 2  # A evicted after B, C and D; kept after one other before
+    s.usage(K, "C", 10, 1000)  # kept after D and A: three fit
+    assert affinity(s)["contexts"] == 3
+
+
 def test_core_the_depth_of_each_return_goes_with_its_usage_and_the_bound_shows_in_status() -> None:
     s = sched()
     depths = [s.usage(K, who, prefilled, reused).depth for who, prefilled, reused in LESSON]
