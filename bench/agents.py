@@ -1111,9 +1111,16 @@ def medians_table(rows: List[Dict[str, Any]]) -> str:
 def table(rows: List[Dict[str, Any]]) -> str:
     head = ["pattern", "set-up", "workload", "access", "makespan s", "prefilled tok", "vs oracle",
             "reused tok", "parent ttft p50/p95 s", "child ttft p50 s", "dead s (% of makespan)", "failed",
-            "bg requests"]
+            "bg requests", "bg per s"]
     lines = [head]
     base = _baselines(rows)
+
+    def per_s(r: Dict[str, Any]) -> Optional[float]:
+        """The subagents' requests per second of the person's turns: the person ends sooner with
+        the queue, so the count alone compares spans of different lengths."""
+        count, span = r.get("bg_requests"), r.get("parent_span_s")
+        return count / span if count is not None and span else None
+
     for r in rows:
         b = base.get(_case(r) + (r.get("round", 0),), {})
         if "error" in r:  # in the last column, so it widens no other
@@ -1142,6 +1149,8 @@ def table(rows: List[Dict[str, Any]]) -> str:
             str(r["failed"]),
             (f"{r['bg_requests']}" + fmt_x(r["bg_requests"], b.get("bg_requests")))
             if interactive and r["access"] in ACCESS else "",
+            (f"{per_s(r):.2f}" + fmt_x(per_s(r), per_s(b) if b else None))
+            if interactive and r["access"] in ACCESS and per_s(r) is not None else "",
         ])
     return _lines(lines)
 

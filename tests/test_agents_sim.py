@@ -302,3 +302,20 @@ def test_repeated_rounds_take_each_ratio_against_the_none_of_their_own_round() -
     assert client["vs_oracle"] == pytest.approx(1.2) and client["dead_pct"] == pytest.approx(10.0)
     assert client["parent_ratio"] == pytest.approx(2.0)
     assert "1.05x (0.91x-1.10x)" in agents.medians_table(rows)
+
+
+def test_the_table_gives_the_subagents_requests_per_second_of_the_persons_turns() -> None:
+    """The person's turns end sooner with the queue, so the subagents' count compares spans of
+    different lengths: the table also gives their requests per second of the span, against
+    ``none``'s of the same round."""
+    rows: List[Any] = []
+    for access, count, span in (("none", 24, 48.0), ("client", 12, 16.0)):
+        rows.append({"pattern": "interactive", "setup": "1slot-cache", "workload": "pressure", "access": access,
+                     "round": 0, "makespan_s": span, "prefill": 100, "oracle": 100, "reused": 0,
+                     "dead_s": None if access == "none" else 1.0, "failed": 0, "limit_hit": False,
+                     "parent_ttft_p50": 0.2, "parent_ttft_p95": 0.4, "child_ttft_p50": 0.5,
+                     "parent_alone_p50": None, "bg_requests": count, "parent_span_s": span})
+    lines = agents.table(rows).splitlines()
+    assert lines[0].endswith("bg requests  bg per s")
+    assert lines[2].endswith("24 (1.00x)   0.50 (1.00x)")
+    assert lines[3].endswith("12 (0.50x)   0.75 (1.50x)")  # half the count, 1.5x the rate
