@@ -1021,31 +1021,27 @@ def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional
     return "cheap" if who >= 2 or who and contexts is not None and contexts >= 2 else "unknown"
 
 
-def learned_contexts(kept: Sequence[float], depths: Sequence[int], contexts: Optional[int] = None,
-                     floor: int = 0) -> Optional[int]:
+def learned_contexts(kept: Sequence[float], depths: Sequence[int], contexts: Optional[int] = None) -> Optional[int]:
     """How many contexts the server keeps, as the returns show it, from ``contexts`` known before:
     None while no return was evicted; an eviction at depth d says at most d (the session's own and
     d - 1 others'), and a return kept at depth d at least d + 1, the later of two that disagree
-    winning (contexts grow, and sizes differ).
-
-    The first eviction, deeper than the kept returns before it showed room for (``floor``, and
-    those in ``kept``: the most contexts one of them showed, depth + 1, at least 2), leaves the
-    bound anywhere between the two: the lower is taken, until a return kept deeper raises it.  A
-    bound too high lets a run evict a context the queue means to keep (a thinking person's: on
-    a real llama-server the first eviction came at depth 3 where two contexts fit, and cost the
-    person's next turn its whole prefill); one too low keeps a slot for a context the server
-    would have kept."""
+    winning (contexts grow, and sizes differ)."""
     for share, depth in zip(kept, depths):
         if share < KEPT_CHEAP:
-            if contexts is None:
-                contexts = floor if 2 <= floor < depth else depth
-            else:
-                contexts = min(contexts, depth)
-        else:
-            floor = max(floor, depth + 1)
-            if contexts is not None and contexts <= depth:
-                contexts = min(MAX_DEPTH, depth + 1)
+            contexts = depth if contexts is None else min(contexts, depth)
+        elif contexts is not None and contexts <= depth:
+            contexts = min(MAX_DEPTH, depth + 1)
     return contexts
+
+
+def contexts_floor(kept: Sequence[float], depths: Sequence[int], contexts: Optional[int], floor: int = 0) -> int:
+    """The fewest contexts the server keeps, as the returns show it, from ``floor`` known before: a
+    return kept at depth d says at least d + 1.  Never above ``contexts``, the bound learned after
+    them (``learned_contexts``: where the two disagree, contexts shrank since)."""
+    for share, depth in zip(kept, depths):
+        if share >= KEPT_CHEAP:
+            floor = max(floor, min(MAX_DEPTH, depth + 1))
+    return floor if contexts is None else min(floor, contexts)
 
 
 class _Affinity:
@@ -1053,8 +1049,8 @@ class _Affinity:
     prompt (its size in tokens, in the order they reported: the last is the most recent), and the
     share kept by each return after a switch, and at what depth."""
 
-    __slots__ = ("last", "prompts", "kept", "back", "depths", "contexts", "returns", "probed", "probed_at",
-                 "prober")
+    __slots__ = ("last", "prompts", "kept", "back", "depths", "contexts", "floor", "returns", "probed",
+                 "probed_at", "prober")
 
     def __init__(self) -> None:
         self.last: Optional[str] = None
@@ -1065,6 +1061,8 @@ class _Affinity:
         # how many contexts the server keeps (``learned_contexts``), over every return: None while
         # none was evicted
         self.contexts: Optional[int] = None
+        # how many it keeps at least (``contexts_floor``), over every return: 0 while none was kept
+        self.floor = 0
         self.returns = 0
         # ``returns`` when a holder last gave way in a gap while the cost was unknown (a probe), and
         # when: the next probe waits for a return since, so that one switch at a time finds it
@@ -1089,11 +1087,11 @@ class _Affinity:
         if (before and self.last is not None and self.last != session
                 and (prefilled + reused >= before or not whole)):
             kept = min(1.0, reused / before)
-            floor = max((d + 1 for k, d in zip(self.kept, self.depths) if k >= KEPT_CHEAP), default=0)
             self.kept.append(kept)
             self.back.append(session)
             self.depths.append(depth)
-            self.contexts = learned_contexts([kept], [depth], self.contexts, floor)
+            self.contexts = learned_contexts([kept], [depth], self.contexts)
+            self.floor = contexts_floor([kept], [depth], self.contexts, self.floor)
             self.returns += 1
         self.prompts[session] = prefilled + reused
         while len(self.prompts) > 1024:
@@ -1109,12 +1107,25 @@ class _Affinity:
                 return depth
         return MAX_DEPTH
 
-    def resident(self) -> list[str]:
+    def resident(self, room: Optional[int] = None) -> list[str]:
         """The sessions whose contexts the server keeps, as far as the learned bound tells: the
-        ``contexts`` that reported most recently, the latest first (all of them while unbounded,
-        up to ``MAX_DEPTH``)."""
-        room = self.contexts if self.contexts is not None else MAX_DEPTH
+        ``contexts`` (or ``room``) that reported most recently, the latest first (all of them
+        while unbounded, up to ``MAX_DEPTH``)."""
+        if room is None:
+            room = self.contexts if self.contexts is not None else MAX_DEPTH
         return list(itertools.islice(reversed(self.prompts), room))
+
+    def unsettled(self) -> Optional[int]:
+        """Where the returns leave the bound open (kept after one other, then evicted after three:
+        two or three contexts fit), the lower end: a person's context between turns is kept as
+        if that were all (on a real llama-server the first eviction came after three others where
+        two fit, and the bound of three let a subagent push the thinking person's context out).
+        Subagents' contexts in their tool calls go by the bound itself: kept by the lower end, a
+        third subagent waited behind an idle slot until it aged, where three fit, and with no
+        return that could have told."""
+        if self.contexts is not None and 2 <= self.floor < self.contexts:
+            return self.floor
+        return None
 
     def cost(self, setting: str = "auto") -> str:
         return switch_cost(self.kept, setting, self.back, self.depths, self.contexts)
@@ -1634,6 +1645,7 @@ class Scheduler:
             affinity.depths.extend(deep + own_depths)
             if affinity.contexts is None:  # its own returns are later: they win
                 affinity.contexts = learned_contexts(seeded, deep, contexts)
+                affinity.floor = contexts_floor(seeded, deep, affinity.contexts, affinity.floor)
             self._affinity[key] = affinity
         while len(self._affinity) > 4096:
             self._affinity.popitem(last=False)
@@ -1966,6 +1978,8 @@ class Scheduler:
                                     "kept": round(sum(kept) / len(kept), 3) if kept else None}
                 if affinity is not None and affinity.contexts is not None:  # additive: once one was evicted
                     head["affinity"]["contexts"] = affinity.contexts
+                    if affinity.unsettled() is not None:  # additive: the bound is open down to it
+                        head["affinity"]["contextsAtLeast"] = affinity.floor
             if now is not None:
                 oldest = [q.head(tier) for tier in (PARENT, CHILD)]
                 head["longestWaitMs"] = {
@@ -2253,8 +2267,10 @@ class Scheduler:
         stream) never keeps it waiting for longer."""
         affinity = self._affinity.get(q.key)
         resident = affinity.resident() if affinity is not None else []
-        until = q.in_use_until(resident[-1]) if resident else None
-        times = [until + 1.0] if until is not None else []
+        low = affinity.unsettled() if affinity is not None else None
+        near = affinity.resident(low) if affinity is not None and low is not None else []
+        ends = [q.in_use_until(kept[-1]) for kept in (resident, near) if kept]  # and a person's
+        times = [until + 1.0 for until in ends if until is not None]
         if nxt is not None and q.policy.aging_after_ms > 0:
             times.append(nxt.enqueued_at + q.policy.aging_after_ms)
         times = [t for t in times if t > now]  # an away context past its time is in use no longer
@@ -2285,7 +2301,9 @@ class Scheduler:
         children here, unless a person's parent waits too: it waits for a context in use, and a
         waiting child or background parent whose context is kept goes before it.
         ``done``: a session whose context counts as no longer in use (a holder that parked for
-        good: its run settled, or it waits on other agents)."""
+        good: its run settled, or it waits on other agents).  Where the returns leave the bound
+        open (``_Affinity.unsettled``), a person's context between turns is kept as if only its
+        lower end fit."""
         if nxt is None or q.policy.switch_cost != "auto" or q.policy.policy == "fifo":
             return nxt
         if nxt.role == PARENT and not nxt.background or q.person_waits():
@@ -2298,12 +2316,31 @@ class Scheduler:
         if q.policy.aging_after_ms > 0 and now - nxt.enqueued_at >= q.policy.aging_after_ms:
             return nxt
         resident = affinity.resident()  # the latest first
-        if (nxt.session in resident or len(resident) < affinity.contexts or resident[-1] == done
-                or not q.in_use(resident[-1], now)):
-            return nxt  # its context is kept, or there is room for it, or it evicts one done with
+        if not self._pushes_out(q, nxt, resident, affinity.contexts, done, now):
+            low = affinity.unsettled()  # the bound is open: a person's context kept as if low were all
+            if low is None:
+                return nxt
+            resident = affinity.resident(low)
+            if not self._pushes_out(q, nxt, resident, low, done, now, person=True):
+                return nxt
         kept = [w for w in (q.waiting.get(s) for s in resident)
                 if w is not None and (w.role == CHILD or w.background)]
         return min(kept, key=lambda w: (w.role, w.seq)) if kept else None  # by tier, then age
+
+    @staticmethod
+    def _pushes_out(q: _Queue, nxt: Waiter, resident: list[str], room: int, done: Optional[str], now: float,
+                    person: bool = False) -> bool:
+        """Whether ``nxt``'s run pushes out a context still in use (with ``person``: a person's
+        between turns), the server keeping ``room`` contexts, ``resident`` those it keeps, the
+        latest first.  Not when its context is kept, or there is room for it, or the one it
+        evicts is done with (``done``)."""
+        if nxt.session in resident or len(resident) < room or resident[-1] == done:
+            return False
+        last = resident[-1]
+        if person:
+            since = q.thinking.get(last)
+            return since is not None and now - since <= q.think_ms()
+        return q.in_use(last, now)
 
     @staticmethod
     def _probe(q: _Queue, affinity: Optional[_Affinity], now: float) -> tuple[bool, Optional[str]]:

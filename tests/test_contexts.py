@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any, Dict, List
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -106,22 +107,69 @@ def test_core_an_eviction_after_two_others_bounds_the_contexts_and_switches_stay
     assert lq.switch_cost([1.0, 1.0], "auto", ["A", "A"], [1, 1]) == "unknown"
 
 
-def test_core_a_first_eviction_deeper_than_the_kept_returns_showed_room_for_takes_the_lower_bound() -> None:
-    """Returns kept after one other say two contexts fit at least; a first eviction after three
-    others says three at most.  The bound is taken as two until a return kept after two others
-    shows three (a real llama-server's first eviction came at depth 3 where two fit)."""
-    assert lq.learned_contexts([1.0, 1.0, 0.0], [1, 1, 3]) == 2
-    assert lq.learned_contexts([1.0, 0.0], [2, 4]) == 3
-    assert lq.learned_contexts([1.0, 1.0, 0.0, 1.0], [1, 1, 3, 2]) == 3  # kept deeper: raised
-    assert lq.learned_contexts([0.0], [3]) == 3  # nothing kept before: no lower bound to take
-    assert lq.learned_contexts([0.0], [3], floor=2) == 2  # kept returns known before
-    assert lq.learned_contexts([1.0, 0.0, 0.0], [1, 3, 1], 4) == 1  # a bound known: no tentative one
-    s = sched()
-    for who, prefilled, reused in LESSON[:4] + (("C", 1000, 0), ("D", 1000, 0), ("A", 1020, 0)):
+OPEN = LESSON[:4] + (("C", 1000, 0), ("D", 1000, 0), ("A", 1020, 0))  # kept after one other, then
+# A evicted after B, C and D: two or three contexts fit (on a real llama-server, two)
+
+
+def open_bound(**defaults: Any) -> lq.Scheduler:
+    s = sched(**defaults)
+    for who, prefilled, reused in OPEN:
         s.usage(K, who, prefilled, reused)
-    assert affinity(s)["contexts"] == 2  # A evicted after B, C and D; kept after one other before
+    return s
+
+
+def test_core_an_eviction_that_leaves_the_bound_open_shows_its_lower_end_too() -> None:
+    """Returns kept after one other say two contexts fit at least; an eviction after three others
+    says three at most.  The bound stays three, and ``status`` shows it open down to two, until
+    a return settles it.  The lower end is over every return, not the latest few."""
+    assert lq.contexts_floor([1.0, 1.0, 0.0], [1, 1, 3], 3) == 2
+    assert lq.contexts_floor([1.0, 0.0], [2, 4], 4) == 3
+    assert lq.contexts_floor([0.0], [3], 3) == 0  # nothing kept: no lower end
+    assert lq.contexts_floor([1.0], [5], 3) == 3  # never above the bound learned since (contexts shrank)
+    assert lq.contexts_floor([1.0], [1], None, 4) == 4  # one known before stands
+    assert lq.learned_contexts([1.0, 1.0, 0.0], [1, 1, 3]) == 3  # the bound itself is what was shown
+    s = open_bound()
+    assert affinity(s)["contexts"] == 3 and affinity(s)["contextsAtLeast"] == 2
     s.usage(K, "C", 10, 1000)  # kept after D and A: three fit
-    assert affinity(s)["contexts"] == 3
+    assert affinity(s)["contexts"] == 3 and "contextsAtLeast" not in affinity(s)
+    s = sched()
+    size = {"A": 1000, "B": 1000, "C": 1000}
+    for who in "ABC":
+        s.usage(K, who, 1000, 0)
+    for who in "ABABABAB":  # A and B each kept after two others first, then after one, four times over
+        s.usage(K, who, 10, size[who])
+        size[who] += 10
+    s.usage(K, "D", 1000, 0)
+    s.usage(K, "E", 1000, 0)
+    assert s.usage(K, "C", 1010, 0).depth == 4  # evicted after B, A, D and E
+    assert affinity(s)["contexts"] == 4 and affinity(s)["contextsAtLeast"] == 3
+
+
+@pytest.mark.parametrize("person", [True, False])
+def test_core_an_open_bound_keeps_a_thinking_persons_context_by_its_lower_end_and_a_subagents_by_the_bound(
+        person: bool) -> None:
+    """Where two or three contexts fit, a waiter whose run would push out the third most recent
+    waits if that is a thinking person's (three fitting, it is not pushed out; two, it is).  A
+    subagent's context in its tool call goes by the bound: kept by the lower end, a third
+    subagent waited behind an idle slot where three fit, with no return that could tell."""
+    s = open_bound(leaseTtlMs=120_000, idleYieldMs=90_000)  # no lease ends before the look
+    x = "P" if person else "X"
+    assert granted(s.acquire("x", K, x, "parent" if person else "child", now=T0)) == [x]
+    s.usage(K, x, 1000, 0)
+    s.acquire("f", K, "F", "child", now=T0 + 10)
+    held, events = s.park(K, x, now=T0 + 100, turn=person, gap=not person)  # F evicts D's, done with
+    assert not held and granted(events) == ["F"]
+    s.usage(K, "F", 1000, 0)
+    s.acquire("g", K, "G", "child", now=T0 + 200)
+    held, events = s.park(K, "F", now=T0 + 300, gap=True)  # G's run: the person's context, if two fit
+    if not person:
+        assert not held and granted(events) == ["G"]
+        return
+    assert held and events == []
+    due = s.next_deadline()  # the person's think time (none known yet), from its turn's end
+    assert due is not None and T0 + 100 + lq.THINK_DEFAULT_MS <= due <= T0 + 100 + lq.THINK_DEFAULT_MS + 2
+    assert granted(s.sweep(now=due - 2)) == []
+    assert granted(s.sweep(now=due)) == ["G"]
 
 
 def test_core_the_depth_of_each_return_goes_with_its_usage_and_the_bound_shows_in_status() -> None:

@@ -254,30 +254,37 @@ def test_a_turn_over_the_socket_keeps_the_persons_context_from_a_subagents_rotat
         assert p.recv(SOON)["op"] == "granted" and d.waiting(K) == ["B"]
 
 
-def test_a_first_ambiguous_eviction_over_the_socket_keeps_the_persons_context_as_if_two_fit() -> None:
+@pytest.mark.parametrize("person", [True, False])
+def test_a_first_ambiguous_eviction_over_the_socket_keeps_the_persons_context_as_if_two_fit(person: bool) -> None:
     """The queue saw returns kept after one other session, then A evicted after three others:
-    two or three contexts fit.  It takes two, so a subagent's run that would push the thinking
-    person's context out waits (with three taken, B's run would evict only D's, and B went)."""
+    two or three contexts fit.  For a thinking person's context it takes two, so a subagent's
+    run that would push it out waits (with three taken, B's run would evict only D's, and B
+    went).  A subagent's context in its tool call goes by three: B goes."""
     for d in started(config={"defaults": AGED}):
         t = d.peer()
         for who, prefilled, reused in LESSON[:4] + (("C", 1000, 0), ("D", 1000, 0), ("A", 1020, 0)):
             assert t.ask({"op": "usage", "queueKey": K, "sessionKey": who, "prefilled": prefilled,
                           "reused": reused})["op"] == "ok"
         p, a, b = d.peer(), d.peer(), d.peer()
-        assert p.ask({"op": "acquire", "queueKey": K, "sessionKey": "P"})["op"] == "granted"
-        t.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 1000, "reused": 0})
+        x = "P" if person else "X"
+        reply = p.ask({"op": "acquire", "queueKey": K, "sessionKey": x, "role": "parent" if person else "child"})
+        assert reply["op"] == "granted"
+        t.ask({"op": "usage", "queueKey": K, "sessionKey": x, "prefilled": 1000, "reused": 0})
         a.send({"op": "acquire", "queueKey": K, "sessionKey": "A", "role": "child"})
         wait_for(lambda: d.waiting(K) == ["A"])
-        p.ask({"op": "renew", "queueKey": K, "sessionKey": "P", "parked": True, "turn": True})
+        p.ask({"op": "renew", "queueKey": K, "sessionKey": x, "parked": True, "turn": person, "gap": not person})
         assert a.recv(SOON)["op"] == "granted"  # A's run pushes D's context out, not P's
         t.ask({"op": "usage", "queueKey": K, "sessionKey": "A", "prefilled": 10, "reused": 1020})
         (q,) = [q for q in t.ask({"op": "status"})["queues"] if q["queueKey"] == K]
-        assert q["affinity"]["contexts"] == 2
+        assert q["affinity"]["contexts"] == 3 and q["affinity"]["contextsAtLeast"] == 2
         b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "child"})
         wait_for(lambda: d.waiting(K) == ["B"])
         reply = a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True, "gap": True})
-        assert reply["granted"] is True  # kept: B's run would push the person's context out
-        assert b.silent(0.3) and d.holders(K) == ["A"]
+        if person:
+            assert reply["granted"] is True  # kept: B's run would push the person's context out
+            assert b.silent(0.3) and d.holders(K) == ["A"]
+        else:
+            assert reply["granted"] is False and b.recv(SOON)["op"] == "granted"
 
 
 def test_a_bad_turn_field_is_an_error_reply_that_changes_nothing() -> None:
