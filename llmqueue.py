@@ -2316,15 +2316,16 @@ class Scheduler:
         if q.policy.aging_after_ms > 0 and now - nxt.enqueued_at >= q.policy.aging_after_ms:
             return nxt
         resident = affinity.resident()  # the latest first
-        if not self._pushes_out(q, nxt, resident, affinity.contexts, done, now):
-            low = affinity.unsettled()  # the bound is open: a person's context kept as if low were all
-            if low is None:
-                return nxt
-            resident = affinity.resident(low)
-            if not self._pushes_out(q, nxt, resident, low, done, now, person=True):
-                return nxt
+        low = affinity.unsettled()  # the bound is open: a person's context kept as if low were all
+        near = affinity.resident(low) if low is not None else []
+
+        def spares_person(w: Waiter) -> bool:
+            return low is None or not self._pushes_out(q, w, near, low, done, now, person=True)
+
+        if not self._pushes_out(q, nxt, resident, affinity.contexts, done, now) and spares_person(nxt):
+            return nxt
         kept = [w for w in (q.waiting.get(s) for s in resident)
-                if w is not None and (w.role == CHILD or w.background)]
+                if w is not None and (w.role == CHILD or w.background) and spares_person(w)]
         return min(kept, key=lambda w: (w.role, w.seq)) if kept else None  # by tier, then age
 
     @staticmethod

@@ -172,6 +172,25 @@ def test_core_an_open_bound_keeps_a_thinking_persons_context_by_its_lower_end_an
     assert granted(s.sweep(now=due)) == ["G"]
 
 
+def test_core_an_open_bound_gives_the_slot_to_no_waiter_whose_run_would_push_a_thinking_persons_context_out(
+        ) -> None:
+    """The waiter kept out may be passed for one whose context is kept, but not for one kept
+    only by the bound's upper end: two fitting, its run pushes the thinking person's out (seen
+    on a real llama-server: the subagent granted instead re-prefilled, and the person's next turn
+    too)."""
+    s = open_bound(leaseTtlMs=120_000, idleYieldMs=90_000)
+    s.acquire("p", K, "P", "parent", now=T0)
+    s.usage(K, "P", 1000, 0)
+    s.acquire("f", K, "F", "child", now=T0 + 10)
+    assert granted(s.park(K, "P", now=T0 + 100, turn=True)[1]) == ["F"]
+    s.usage(K, "F", 1000, 0)  # F, P, A the latest: A's kept if three fit, gone if two
+    s.acquire("z", K, "Z", "child", now=T0 + 200)  # first in line: its run would evict A's, in use
+    s.acquire("a", K, "A", "child", now=T0 + 210)
+    held, events = s.park(K, "F", now=T0 + 300, gap=True)
+    assert held and events == []
+    assert granted(s.acquire("p", K, "P", "parent", now=T0 + 2000)) == ["P"]  # the person's next turn
+
+
 def test_core_the_depth_of_each_return_goes_with_its_usage_and_the_bound_shows_in_status() -> None:
     s = sched()
     depths = [s.usage(K, who, prefilled, reused).depth for who, prefilled, reused in LESSON]
