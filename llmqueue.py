@@ -1676,7 +1676,7 @@ class Scheduler:
         return True
 
     def park(self, key: str, session: str, *, now: float, gap: bool = False,
-             turn: bool = False) -> tuple[bool, list[Event]]:
+             turn: bool = False, conn: Optional[Conn] = None) -> tuple[bool, list[Event]]:
         """A keyed beat that says the holder waits on another agent (``parked``): its TTL is
         refreshed, and its slot goes to a waiter at once -- one queued now, or the first to come
         while it stays parked.  A parked holder nobody needs keeps its slot (no switch); its
@@ -1686,14 +1686,19 @@ class Scheduler:
         (``_gap_target``).  ``turn`` (additive, a parent's): its turn is over and a person answers
         next; its context is in use while the person thinks (``_Queue.think_ms``), so its slot
         goes, as a gap's does, only to a waiter whose run evicts no context in use, and the
-        subagents' gaps keep theirs from a waiter whose run would evict it.  Returns (still held,
-        events)."""
+        subagents' gaps keep theirs from a waiter whose run would evict it.  A ``turn`` park of
+        a session that holds no slot, since it gave it up at its last request's end (a handback to
+        a parent), says the same: its person thinks from that request's end (``conn``: whose
+        closing takes the think time with it).  Returns (still held, events)."""
         q = self._find(key)
         holder = q.holder_for(key, session) if q else None
         if q is None:
             return False, []
         if holder is None:  # a park for good of one that handed its slot over: its run is over
-            return False, [] if gap or turn else self._done_with(q, session, now)
+            if turn and not gap:
+                self._thinks_away(q, session, conn)
+                return False, []
+            return False, [] if gap else self._done_with(q, session, now)
         self._refresh(holder, now, activity=False)
         holder.parked = True
         holder.gap = gap
@@ -1701,14 +1706,32 @@ class Scheduler:
         holder.handback = False
         if holder.turn:
             q.turn_over(session, holder.idle_since if holder.idle_since is not None else now)
-            for conn in holder.conns:
-                people = self._conn_thinkers.setdefault(conn, set())
-                people.add((q, session))
-                if len(people) > 64:  # those back or forgotten are nobody's to clear
-                    people.difference_update([e for e in people if e[1] not in e[0].thinking])
+            for c in holder.conns:
+                self._thinker_on(c, q, session)
         else:  # parked again for another reason (waiting on its subagents, a tool call): no person's
             q.thinking.pop(session, None)
         return self._step_aside(q, holder, now)
+
+    def _thinker_on(self, conn: Conn, q: _Queue, session: str) -> None:
+        """``session``'s person thinks, and ``conn`` closing takes that with it."""
+        people = self._conn_thinkers.setdefault(conn, set())
+        people.add((q, session))
+        if len(people) > 64:  # those back or forgotten are nobody's to clear
+            people.difference_update([e for e in people if e[1] not in e[0].thinking])
+
+    def _thinks_away(self, q: _Queue, session: str, conn: Optional[Conn]) -> None:
+        """A person's turn is over, but its session gave its slot up at its last request's end (a
+        handback to a parent), so its context counted as in use only for as long as a tool call
+        takes: it counts so while the person thinks, from that request's end, as a held parent's
+        turn park does.  From then to its next acquire is a think time, not a tool call.  A session
+        not away (it never held, or its run was over for good) or already thinking: nothing."""
+        away = q.away.get(session)
+        if away is None or session in q.waiting or session in q.thinking:
+            return
+        q.came_back(session)
+        q.turn_over(session, away[1])
+        if conn is not None:
+            self._thinker_on(conn, q, session)
 
     def _done_with(self, q: _Queue, session: str, now: float) -> list[Event]:
         """``session`` holds no slot and says its run is over (it releases, or parks for good):
@@ -3083,7 +3106,8 @@ class Daemon:
                 sched.renew(c, now=now)
                 self._send(c, _OK)
             elif req.parked:
-                granted, events = sched.park(req.queue_key, session, now=now, gap=req.gap, turn=req.turn)
+                granted, events = sched.park(req.queue_key, session, now=now, gap=req.gap, turn=req.turn,
+                                             conn=c)
                 self._apply(events)  # the handoff goes out first
                 self._send(c, encode_beat(req.queue_key, session, granted))
             elif req.handback:
@@ -4387,6 +4411,17 @@ class Client:
 
         return send
 
+    def _turn_over(self, lease: Lease) -> None:
+        """A person's turn is over, but the lease's slot was handed over at its last request's
+        end: a ``turn`` park all the same, so the daemon counts its context in use while the
+        person thinks.  Its reply (``granted: false``) takes its place among the beats'."""
+        if lease.queued and not lease.released:
+            try:
+                self._send_beat(lease, {"op": "renew", "queueKey": lease.queue_key,
+                                        "sessionKey": lease.session_key, "parked": True, "turn": True})
+            except DaemonUnavailable:
+                pass
+
     def _hand_back(self, lease: Lease) -> None:
         """The lease's request ended and its run goes on: tell the daemon (a keyed ``renew`` with
         ``handback`` and ``busy: false``), so a parent that waits, or comes while the gap lasts,
@@ -4520,6 +4555,10 @@ class Session:
                 self.lease = None
                 lease.release()
                 return
+            if lease.lost and person:
+                # its person's turn is over all the same: said so, the context counts as in use
+                # while they think, not only for as long as a tool call takes
+                self.client._turn_over(lease)
         with self._lock:
             if self.lease is not lease or lease.released or self._cancel_grace is not None:
                 return  # another thread settled it, or a run began, meanwhile
@@ -4553,6 +4592,16 @@ class Session:
                 # handed over before it settled, the reply saying so still on its way (a park
                 # goes out only for a slot held): the run is over, said when the loss is learned
                 self.client._when_lost(lease, release)
+            elif person and not lease.lost:
+                # likewise for a person's turn: said when the loss is learned, unless its turn
+                # park went out while the slot was held
+
+                def turn_over() -> None:
+                    with self._lock:
+                        if self._turn == turn and not lease.released and not (lease._parked and lease._parked_turn):
+                            self.client._turn_over(lease)
+
+                self.client._when_lost(lease, turn_over)
             if never:
                 return
             if at_once:

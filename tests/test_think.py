@@ -223,6 +223,54 @@ def test_core_many_waiters_never_push_the_nearer_look_behind_a_persons_long_thin
         assert granted(s.sweep(now=due)) == ["B"]
 
 
+def p_handed_its_slot_to_p2_at_its_last_request(turn_park: bool) -> lq.Scheduler:
+    """The person P's last request ended while another parent, P2, waited: P's handback gave P2
+    the slot.  Then P's run settled, and with ``turn_park`` its turn park came from a session that
+    holds no slot.  P2's and P's contexts are the two kept, and the subagent N waits."""
+    s = taught()
+    s.acquire("p", K, "P", "parent", now=T0)
+    s.usage(K, "P", 1000, 0)
+    s.acquire("p2", K, "P2", "parent", now=T0 + 5)
+    held, events = s.handback(K, "P", now=T0 + 10)
+    assert not held and granted(events) == ["P2"]
+    if turn_park:
+        assert s.park(K, "P", now=T0 + 20, turn=True) == (False, [])
+    s.usage(K, "P2", 1000, 0)
+    s.acquire("n", K, "N", "child", now=T0 + 30)
+    return s
+
+
+@pytest.mark.parametrize("turn_park", [True, False])
+def test_core_a_turn_park_from_a_session_that_lost_its_slot_keeps_its_context_in_use_while_the_person_thinks(
+        turn_park: bool) -> None:
+    """Without the turn park, P's context counts as in use for a tool call's time (none known:
+    the grace), as any context given up in a gap.  With it, for as long as a person thinks
+    (``THINK_DEFAULT_MS``, none known), from P's last request's end: P2's gap keeps its slot from
+    N, whose run would push P's context out, and the sweep hands it over once the think is over."""
+    s = p_handed_its_slot_to_p2_at_its_last_request(turn_park)
+    later = T0 + 10 + lq.GRACE_MS + 100  # past a tool call's time, well within a think time
+    held, events = s.park(K, "P2", now=later, gap=True)
+    if not turn_park:
+        assert not held and granted(events) == ["N"]
+        return
+    assert held and events == []
+    (q,) = s.status(now=later)
+    assert [h["sessionKey"] for h in q["holders"]] == ["P2"]
+    due = s.next_deadline()
+    assert due is not None and due <= T0 + 10 + lq.THINK_DEFAULT_MS + 1
+    assert granted(s.sweep(now=T0 + 10 + lq.THINK_DEFAULT_MS + 1)) == ["N"]
+
+
+def test_core_a_turn_park_from_a_session_that_gave_no_slot_up_in_a_gap_changes_nothing() -> None:
+    """A session that never held, or whose run was over for good (its release), says nothing by
+    a turn park: its context is no person's to keep."""
+    s = p_handed_its_slot_to_p2_at_its_last_request(False)
+    s.release(K, "P", now=T0 + 25)  # P's run is over: its context is done with
+    assert s.park(K, "P", now=T0 + 40, turn=True) == (False, [])
+    assert s.park(K, "X", now=T0 + 40, turn=True) == (False, [])
+    assert granted(s.park(K, "P2", now=T0 + 50, gap=True)[1]) == ["N"]
+
+
 # -- the socket -----------------------------------------------------------------------------------
 
 
@@ -519,6 +567,62 @@ def test_a_persons_session_whose_slot_went_to_another_parent_at_its_turns_end_ke
             n.send({"op": "acquire", "queueKey": K, "sessionKey": "N", "role": "child"})
             wait_for(lambda: d.waiting(K) == ["N"])
             time.sleep(0.2)  # a release on the loss would be in by now
+            assert p2.ask({"op": "renew", "queueKey": K, "sessionKey": "P2", "parked": True,
+                           "gap": True})["granted"] is True
+            assert n.silent(0.3) and d.holders(K) == ["P2"]
+
+
+@pytest.mark.parametrize("learned", ["before", "after"])
+def test_a_persons_session_whose_slot_went_to_another_parent_at_its_last_request_keeps_its_context_while_they_think(
+        learned: str) -> None:
+    """As above, but past a tool call's time: the daemon learned that tool calls take about
+    0.1 s (a subagent T's gap), so a context given up in a gap counts as in use for 0.35 s.  P1's
+    settle says that its person's turn is over though its slot is gone (a ``turn`` park), so its
+    context counts as in use while they think (30 s, none known): 0.6 s after P1's request ended,
+    P2's gap still keeps its slot from N.  (Before, P1's context was done with after 0.35 s, N
+    went, and P1's next turn re-prefilled.)  ``learned``: the client learns the loss before its
+    run settles, or only after (its beat thread and reader held back, as in the race above), when
+    the park it would send for a slot held no longer goes out."""
+    for d in started(config={"defaults": AGED}):
+        teach(d.peer())
+        t, p2, n = d.peer(), d.peer(), d.peer()
+        assert t.ask({"op": "acquire", "queueKey": K, "sessionKey": "T", "role": "child"})["op"] == "granted"
+        t.ask({"op": "renew", "queueKey": K, "sessionKey": "T", "handback": True, "busy": False})
+        time.sleep(0.1)  # T's tool call
+        t.ask({"op": "renew", "queueKey": K, "sessionKey": "T", "busy": True})
+        assert t.ask({"op": "release", "queueKey": K, "sessionKey": "T"})["op"] == "ok"
+        with client_of(d) as client:
+            client.status()  # connected: usage goes out only then
+            p1 = client.session(K, "P1", "parent", spare=False)
+            beats_stalled, beats_go = threading.Event(), threading.Event()
+            reader_held = False
+            try:
+                with p1.run():
+                    with p1.request():
+                        client.usage(K, "P1", 1000, 0)
+                        p2.send({"op": "acquire", "queueKey": K, "sessionKey": "P2", "role": "parent"})
+                        wait_for(lambda: d.waiting(K) == ["P2"])
+                        if learned == "after":
+                            client.call_later(0.0, lambda: (beats_stalled.set(), beats_go.wait(SOON * 5)) and None)
+                            assert beats_stalled.wait(SOON)
+                            reader_held = client._cv.acquire()  # the handback's reply waits for the settle
+                    ended = time.monotonic()
+                    assert p2.recv(SOON)["op"] == "granted"  # handed over at the request's end
+                    lease = p1.lease
+                    assert lease is not None
+                    if learned == "before":
+                        wait_for(lambda: lease.lost)
+                    else:
+                        assert not lease.lost
+            finally:
+                if reader_held:
+                    client._cv.release()
+            wait_for(lambda: lease.lost)
+            beats_go.set()
+            p2.ask({"op": "usage", "queueKey": K, "sessionKey": "P2", "prefilled": 1000, "reused": 0})
+            n.send({"op": "acquire", "queueKey": K, "sessionKey": "N", "role": "child"})
+            wait_for(lambda: d.waiting(K) == ["N"])
+            time.sleep(max(0.0, ended + 0.6 - time.monotonic()))  # past the tool call's 0.35 s
             assert p2.ask({"op": "renew", "queueKey": K, "sessionKey": "P2", "parked": True,
                            "gap": True})["granted"] is True
             assert n.silent(0.3) and d.holders(K) == ["P2"]
