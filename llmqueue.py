@@ -1209,7 +1209,7 @@ class _Queue:
         # again: when, and when the gap began (their last request's end).  Their contexts are
         # still in use for a while (``in_use``); from the gap's start to the next acquire is a
         # tool call (``tool_call``)
-        self.away: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self.away: OrderedDict[str, tuple[float, float, bool]] = OrderedDict()
         # parents whose turn is over (a park with ``turn``) and that have not come back: since
         # when (their last request's end).  Their contexts are in use while their person thinks
         # (``think_ms``); from then to their next acquire is a think time (``thinks``)
@@ -1315,9 +1315,12 @@ class _Queue:
         if since is not None and now - since <= THINK_MAX_MS:
             self.thinks.append(max(0.0, now - since))
 
-    def went_away(self, session: str, now: float, gap_began: Optional[float] = None) -> None:
+    def went_away(self, session: str, now: float, gap_began: Optional[float] = None,
+                  person: bool = False) -> None:
+        """``session`` gave its slot up between two requests, at ``now``, its gap having begun at
+        ``gap_began``; ``person``: a parent with a person behind it, whose turn may be over."""
         self.away.pop(session, None)
-        self.away[session] = (now, now if gap_began is None else min(gap_began, now))
+        self.away[session] = (now, now if gap_began is None else min(gap_began, now), person)
         while len(self.away) > 64:
             self.away.popitem(last=False)
 
@@ -1679,16 +1682,17 @@ class Scheduler:
              turn: bool = False, conn: Optional[Conn] = None) -> tuple[bool, list[Event]]:
         """A keyed beat that says the holder waits on another agent (``parked``): its TTL is
         refreshed, and its slot goes to a waiter at once -- one queued now, or the first to come
-        while it stays parked.  A parked holder nobody needs keeps its slot (no switch); its
-        next activity beat un-parks it.  ``gap`` (additive): it parked between two requests of
-        its run, for a tool call, and comes back; where the queue learned that the server keeps
-        only so many contexts, its slot goes only to a waiter whose run evicts none still in use
-        (``_gap_target``).  ``turn`` (additive, a parent's): its turn is over and a person answers
-        next; its context is in use while the person thinks (``_Queue.think_ms``), so its slot
-        goes, as a gap's does, only to a waiter whose run evicts no context in use, and the
-        subagents' gaps keep theirs from a waiter whose run would evict it.  A ``turn`` park of
-        a session that holds no slot, since it gave it up at its last request's end (a handback to
-        a parent), says the same: its person thinks from that request's end (``conn``: whose
+        while it stays parked.  A parked holder nobody needs keeps its slot (no switch); its next
+        activity beat un-parks it.  ``gap`` (additive): it parked between two requests of its run,
+        for a tool call, and comes back; where the queue learned that the server keeps only so many
+        contexts, its slot goes only to a waiter whose run evicts none still in use
+        (``_gap_target``).  ``turn`` (additive, a person's parent's: a subagent's, or a
+        ``background`` parent's, is a plain park): its turn is over and a person answers next; its
+        context is in use while the person thinks (``_Queue.think_ms``), so its slot goes, as a
+        gap's does, only to a waiter whose run evicts no context in use, and the subagents' gaps
+        keep theirs from a waiter whose run would evict it.  A ``turn`` park of a session that holds
+        no slot, since it gave it up at its last request's end (a handback to a parent), held as a
+        person's parent, says the same: its person thinks from that request's end (``conn``: whose
         closing takes the think time with it).  Returns (still held, events)."""
         q = self._find(key)
         holder = q.holder_for(key, session) if q else None
@@ -1696,13 +1700,13 @@ class Scheduler:
             return False, []
         if holder is None:  # a park for good of one that handed its slot over: its run is over
             if turn and not gap:
-                self._thinks_away(q, session, conn)
+                self._thinks_away(q, session, now, conn)
                 return False, []
             return False, [] if gap else self._done_with(q, session, now)
         self._refresh(holder, now, activity=False)
         holder.parked = True
         holder.gap = gap
-        holder.turn = turn and not gap and holder.role == PARENT
+        holder.turn = turn and not gap and holder.role == PARENT and not holder.background
         holder.handback = False
         if holder.turn:
             q.turn_over(session, holder.idle_since if holder.idle_since is not None else now)
@@ -1719,19 +1723,24 @@ class Scheduler:
         if len(people) > 64:  # those back or forgotten are nobody's to clear
             people.difference_update([e for e in people if e[1] not in e[0].thinking])
 
-    def _thinks_away(self, q: _Queue, session: str, conn: Optional[Conn]) -> None:
+    def _thinks_away(self, q: _Queue, session: str, now: float, conn: Optional[Conn]) -> None:
         """A person's turn is over, but its session gave its slot up at its last request's end (a
         handback to a parent), so its context counted as in use only for as long as a tool call
         takes: it counts so while the person thinks, from that request's end, as a held parent's
         turn park does.  From then to its next acquire is a think time, not a tool call.  A session
-        not away (it never held, or its run was over for good) or already thinking: nothing."""
+        not away (it never held, or its run was over for good), no person's parent when it held (a
+        subagent, or a parent with no person behind it: a turn is a person's), or already
+        thinking: nothing.  The person may think for less than a tool call takes: the sweep looks
+        again then, for a waiter kept out."""
         away = q.away.get(session)
-        if away is None or session in q.waiting or session in q.thinking:
+        if away is None or not away[2] or session in q.thinking:
             return
         q.came_back(session)
         q.turn_over(session, away[1])
         if conn is not None:
             self._thinker_on(conn, q, session)
+        if q.waiting:
+            self._recheck_gap(q, now)
 
     def _done_with(self, q: _Queue, session: str, now: float) -> list[Event]:
         """``session`` holds no slot and says its run is over (it releases, or parks for good):
@@ -2257,7 +2266,8 @@ class Scheduler:
             else:
                 target = nxt
             if holder.gap or not holder.parked:  # between two requests: its context is in use meanwhile
-                q.went_away(holder.session, now, holder.idle_since)
+                q.went_away(holder.session, now, holder.idle_since,
+                            holder.role == PARENT and not holder.background)
             else:
                 q.came_back(holder.session)  # for good: done with, not away
             if holder.parked:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, List
+from typing import Any, List, Optional
 
 import pytest
 
@@ -223,18 +223,21 @@ def test_core_many_waiters_never_push_the_nearer_look_behind_a_persons_long_thin
         assert granted(s.sweep(now=due)) == ["B"]
 
 
-def p_handed_its_slot_to_p2_at_its_last_request(turn_park: bool) -> lq.Scheduler:
+def p_handed_its_slot_to_p2_at_its_last_request(turn_park: bool, role: str = "parent",
+                                                 background: bool = False,
+                                                 conn: Optional[str] = None) -> lq.Scheduler:
     """The person P's last request ended while another parent, P2, waited: P's handback gave P2
     the slot.  Then P's run settled, and with ``turn_park`` its turn park came from a session that
-    holds no slot.  P2's and P's contexts are the two kept, and the subagent N waits."""
+    holds no slot (on ``conn``).  P2's and P's contexts are the two kept, and the subagent N
+    waits.  ``role``, ``background``: what P was when it held (a person's parent by default)."""
     s = taught()
-    s.acquire("p", K, "P", "parent", now=T0)
+    s.acquire("p", K, "P", role, now=T0, background=background)
     s.usage(K, "P", 1000, 0)
     s.acquire("p2", K, "P2", "parent", now=T0 + 5)
     held, events = s.handback(K, "P", now=T0 + 10)
     assert not held and granted(events) == ["P2"]
     if turn_park:
-        assert s.park(K, "P", now=T0 + 20, turn=True) == (False, [])
+        assert s.park(K, "P", now=T0 + 20, turn=True, conn=conn) == (False, [])
     s.usage(K, "P2", 1000, 0)
     s.acquire("n", K, "N", "child", now=T0 + 30)
     return s
@@ -261,14 +264,87 @@ def test_core_a_turn_park_from_a_session_that_lost_its_slot_keeps_its_context_in
     assert granted(s.sweep(now=T0 + 10 + lq.THINK_DEFAULT_MS + 1)) == ["N"]
 
 
+def test_core_a_connection_that_closes_takes_the_think_time_of_a_person_that_lost_its_slot() -> None:
+    """P's turn park came, on the connection ``p``, while P held no slot; then P's program exited:
+    nobody thinks, and P2's gap hands its slot to N."""
+    s = p_handed_its_slot_to_p2_at_its_last_request(True, conn="p")
+    s.disconnect("p", now=T0 + 25)
+    later = T0 + 10 + lq.GRACE_MS + 100
+    assert granted(s.park(K, "P2", now=later, gap=True)[1]) == ["N"]
+
+
 def test_core_a_turn_park_from_a_session_that_gave_no_slot_up_in_a_gap_changes_nothing() -> None:
     """A session that never held, or whose run was over for good (its release), says nothing by
     a turn park: its context is no person's to keep."""
     s = p_handed_its_slot_to_p2_at_its_last_request(False)
     s.release(K, "P", now=T0 + 25)  # P's run is over: its context is done with
     assert s.park(K, "P", now=T0 + 40, turn=True) == (False, [])
+    assert granted(s.park(K, "P2", now=T0 + 50, gap=True)[1]) == ["N"]
+    # X's context is on the server (its usage came in), one of the two kept, but X never held here
+    s = taught()
+    s.usage(K, "X", 1000, 0)
+    assert granted(s.acquire("p2", K, "P2", "parent", now=T0)) == ["P2"]
+    s.usage(K, "P2", 1000, 0)
+    s.acquire("n", K, "N", "child", now=T0 + 30)
     assert s.park(K, "X", now=T0 + 40, turn=True) == (False, [])
     assert granted(s.park(K, "P2", now=T0 + 50, gap=True)[1]) == ["N"]
+
+
+def test_core_a_background_parents_turn_park_is_no_persons_turn() -> None:
+    """A parent with no person behind it (its acquire said ``background``) has no turn to end: its
+    ``turn`` park is a park for good, and A's gap hands its slot to B, as after a subagent's."""
+    s = taught()
+    s.acquire("p", K, "P", "parent", now=T0, background=True)
+    s.usage(K, "P", 1000, 0)
+    s.park(K, "P", now=T0 + 10, turn=True)
+    assert granted(s.acquire("a", K, "A", "child", now=T0 + 20)) == ["A"]
+    s.usage(K, "A", 1000, 0)
+    s.acquire("b", K, "B", "child", now=T0 + 30)
+    assert granted(s.park(K, "A", now=T0 + 40, gap=True)[1]) == ["B"]
+
+
+@pytest.mark.parametrize("role,background", [("child", False), ("parent", True)])
+def test_core_a_turn_park_from_a_subagent_or_background_parent_that_lost_its_slot_changes_nothing(
+        role: str, background: bool) -> None:
+    """A turn is a person's: a parked holder's ``turn`` counts only for a parent with a person
+    behind it, and so does one from a session that lost its slot.  A subagent (or a background
+    parent) that handed its slot to P2 says nothing by it: its context is in use for a tool call's
+    time only, and its next request's wait is no think time of the queue's person."""
+    s = p_handed_its_slot_to_p2_at_its_last_request(True, role, background)
+    later = T0 + 10 + lq.GRACE_MS + 100  # past a tool call's time, well within a think time
+    assert granted(s.park(K, "P2", now=later, gap=True)[1]) == ["N"]
+
+
+@pytest.mark.parametrize("role,background", [("child", False), ("parent", True)])
+def test_core_turn_parks_from_a_subagent_that_lost_its_slot_teach_the_queue_no_think_time(
+        role: str, background: bool) -> None:
+    """The person H thought 3 s, so H's context is kept 1.5 x 3 s + 0.2 s while H thinks.  A
+    subagent S (or a background parent) that hands its slot to a parent at every request's end,
+    and sends a turn park each time, is back 0.1 s later: those are its tool calls, not a person's
+    think times, and H's context is kept as long as before."""
+    s = taught()
+    s.acquire("h", K, "H", "parent", now=T0)
+    s.usage(K, "H", 1000, 0)
+    s.park(K, "H", now=T0 + 10, turn=True)
+    assert granted(s.acquire("h", K, "H", "parent", now=T0 + 3010)) == ["H"]  # thought 3 s
+    s.release(K, "H", now=T0 + 3020)
+    for i in range(lq.KEPT_SAMPLES + 2):
+        t = T0 + 10_000 * (i + 1)
+        assert granted(s.acquire("s", K, "S", role, now=t, background=background)) == ["S"]
+        s.acquire("x", K, "X", "parent", now=t + 1)
+        assert granted(s.handback(K, "S", now=t + 2)[1]) == ["X"]
+        assert s.park(K, "S", now=t + 3, turn=True) == (False, [])
+        s.acquire("s", K, "S", role, now=t + 100, background=background)  # its tool call is over
+        assert granted(s.release(K, "X", now=t + 200)) == ["S"]
+        s.release(K, "S", now=t + 300)
+    t = T0 + 100_000
+    assert granted(s.acquire("h", K, "H", "parent", now=t)) == ["H"]
+    s.usage(K, "H", 10, 1000)
+    s.park(K, "H", now=t + 10, turn=True)  # H thinks
+    assert granted(s.acquire("a", K, "A", "child", now=t + 20)) == ["A"]
+    s.usage(K, "A", 10, 1010)
+    s.acquire("b", K, "B", "child", now=t + 30)
+    assert s.park(K, "A", now=t + 10 + 4000, gap=True) == (True, [])  # B's run would push H's out
 
 
 # -- the socket -----------------------------------------------------------------------------------
@@ -626,6 +702,42 @@ def test_a_persons_session_whose_slot_went_to_another_parent_at_its_last_request
             assert p2.ask({"op": "renew", "queueKey": K, "sessionKey": "P2", "parked": True,
                            "gap": True})["granted"] is True
             assert n.silent(0.3) and d.holders(K) == ["P2"]
+
+
+@pytest.mark.parametrize("role", ["parent", "child"])
+def test_over_the_socket_a_turn_park_without_a_slot_is_a_persons_parents_only(role: str) -> None:
+    """Raw peers: S handed its slot to P2 at its request's end, then said its turn is over (a
+    ``turn`` park, holding no slot).  A person's parent's context stays in use while its person
+    thinks: 0.6 s later, past the tool call's 0.35 s, P2's gap still keeps its slot from N.  A
+    subagent has no person: its context was in use for a tool call's time, and N gets the slot."""
+    for d in started(config={"defaults": AGED}):
+        teach(d.peer())
+        t, sp, p2, n = d.peer(), d.peer(), d.peer(), d.peer()
+        assert t.ask({"op": "acquire", "queueKey": K, "sessionKey": "T", "role": "child"})["op"] == "granted"
+        t.ask({"op": "renew", "queueKey": K, "sessionKey": "T", "handback": True, "busy": False})
+        time.sleep(0.1)  # T's tool call: tool calls take about 0.1 s here
+        t.ask({"op": "renew", "queueKey": K, "sessionKey": "T", "busy": True})
+        assert t.ask({"op": "release", "queueKey": K, "sessionKey": "T"})["op"] == "ok"
+        assert sp.ask({"op": "acquire", "queueKey": K, "sessionKey": "S", "role": role})["op"] == "granted"
+        sp.ask({"op": "usage", "queueKey": K, "sessionKey": "S", "prefilled": 1000, "reused": 0})
+        p2.send({"op": "acquire", "queueKey": K, "sessionKey": "P2", "role": "parent"})
+        wait_for(lambda: d.waiting(K) == ["P2"])
+        sp.ask({"op": "renew", "queueKey": K, "sessionKey": "S", "handback": True, "busy": False})
+        ended = time.monotonic()
+        assert p2.recv(SOON)["op"] == "granted"
+        assert sp.ask({"op": "renew", "queueKey": K, "sessionKey": "S", "parked": True,
+                       "turn": True}) == {"op": "ok", "queueKey": K, "sessionKey": "S", "granted": False}
+        p2.ask({"op": "usage", "queueKey": K, "sessionKey": "P2", "prefilled": 1000, "reused": 0})
+        n.send({"op": "acquire", "queueKey": K, "sessionKey": "N", "role": "child"})
+        wait_for(lambda: d.waiting(K) == ["N"])
+        time.sleep(max(0.0, ended + 0.6 - time.monotonic()))
+        reply = p2.ask({"op": "renew", "queueKey": K, "sessionKey": "P2", "parked": True, "gap": True})
+        if role == "parent":
+            assert reply["granted"] is True
+            assert n.silent(0.3) and d.holders(K) == ["P2"]
+        else:
+            assert reply["granted"] is False
+            assert n.recv(SOON)["op"] == "granted"
 
 
 @pytest.mark.parametrize("how", ["park", "gap", "release"])
