@@ -264,6 +264,30 @@ def test_core_a_turn_park_from_a_session_that_lost_its_slot_keeps_its_context_in
     assert granted(s.sweep(now=T0 + 10 + lq.THINK_DEFAULT_MS + 1)) == ["N"]
 
 
+def test_core_a_turn_park_after_the_gap_kept_a_waiter_out_looks_again_when_the_shorter_think_ends() -> None:
+    """P's person thinks briefly (0.1 s, so a think lasts 1.5 x 0.1 s + 0.2 s), while a tool call
+    lasts the grace (none known).  P handed its slot to P2, whose gap kept it from N for P's
+    context in use, as a tool call's; then P's turn park came: P's context is in use only while
+    P's person thinks, and the sweep hands the slot to N when that is over, not at the grace."""
+    s = taught()
+    s.acquire("p", K, "P", "parent", now=T0 - 5000)
+    s.park(K, "P", now=T0 - 4900, turn=True)
+    s.acquire("p", K, "P", "parent", now=T0 - 4800)  # thought 0.1 s
+    s.release(K, "P", now=T0 - 4700)
+    assert granted(s.acquire("p", K, "P", "parent", now=T0)) == ["P"]
+    s.usage(K, "P", 1000, 0)
+    s.acquire("p2", K, "P2", "parent", now=T0 + 5)
+    assert granted(s.handback(K, "P", now=T0 + 10)[1]) == ["P2"]
+    s.usage(K, "P2", 1000, 0)
+    s.acquire("n", K, "N", "child", now=T0 + 20)
+    assert s.park(K, "P2", now=T0 + 30, gap=True) == (True, [])  # kept for P's context, a tool call's
+    assert s.park(K, "P", now=T0 + 40, turn=True) == (False, [])
+    due = s.next_deadline()
+    think_over = T0 + 10 + 1.5 * 100 + 200
+    assert due is not None and think_over < due <= think_over + 2
+    assert granted(s.sweep(now=due)) == ["N"]
+
+
 def test_core_a_connection_that_closes_takes_the_think_time_of_a_person_that_lost_its_slot() -> None:
     """P's turn park came, on the connection ``p``, while P held no slot; then P's program exited:
     nobody thinks, and P2's gap hands its slot to N."""
