@@ -872,6 +872,12 @@ class Holder:
             return None
         return self.last_activity + self.terms.idle_yield_ms
 
+    @property
+    def persons(self) -> bool:
+        """Whether a person is behind it: a parent, not ``background``.  Only such a one's turn
+        can be over (``Scheduler.park``'s ``turn``)."""
+        return self.role == PARENT and not self.background
+
     def __repr__(self) -> str:
         return f"<Holder {self.queue.key} {self.session} {ROLES[self.role]} seq={self.seq}>"
 
@@ -1706,7 +1712,7 @@ class Scheduler:
         self._refresh(holder, now, activity=False)
         holder.parked = True
         holder.gap = gap
-        holder.turn = turn and not gap and holder.role == PARENT and not holder.background
+        holder.turn = turn and not gap and holder.persons
         holder.handback = False
         if holder.turn:
             q.turn_over(session, holder.idle_since if holder.idle_since is not None else now)
@@ -2266,8 +2272,7 @@ class Scheduler:
             else:
                 target = nxt
             if holder.gap or not holder.parked:  # between two requests: its context is in use meanwhile
-                q.went_away(holder.session, now, holder.idle_since,
-                            holder.role == PARENT and not holder.background)
+                q.went_away(holder.session, now, holder.idle_since, holder.persons)
             else:
                 q.came_back(holder.session)  # for good: done with, not away
             if holder.parked:

@@ -728,12 +728,13 @@ def test_a_persons_session_whose_slot_went_to_another_parent_at_its_last_request
             assert n.silent(0.3) and d.holders(K) == ["P2"]
 
 
-@pytest.mark.parametrize("role", ["parent", "child"])
+@pytest.mark.parametrize("role", ["parent", "child", "background"])
 def test_over_the_socket_a_turn_park_without_a_slot_is_a_persons_parents_only(role: str) -> None:
     """Raw peers: S handed its slot to P2 at its request's end, then said its turn is over (a
     ``turn`` park, holding no slot).  A person's parent's context stays in use while its person
     thinks: 0.6 s later, past the tool call's 0.35 s, P2's gap still keeps its slot from N.  A
-    subagent has no person: its context was in use for a tool call's time, and N gets the slot."""
+    subagent, or a parent whose acquire said ``background``, has no person: its context was in
+    use for a tool call's time, and N gets the slot."""
     for d in started(config={"defaults": AGED}):
         teach(d.peer())
         t, sp, p2, n = d.peer(), d.peer(), d.peer(), d.peer()
@@ -742,7 +743,10 @@ def test_over_the_socket_a_turn_park_without_a_slot_is_a_persons_parents_only(ro
         time.sleep(0.1)  # T's tool call: tool calls take about 0.1 s here
         t.ask({"op": "renew", "queueKey": K, "sessionKey": "T", "busy": True})
         assert t.ask({"op": "release", "queueKey": K, "sessionKey": "T"})["op"] == "ok"
-        assert sp.ask({"op": "acquire", "queueKey": K, "sessionKey": "S", "role": role})["op"] == "granted"
+        acquire = {"op": "acquire", "queueKey": K, "sessionKey": "S", "role": role}
+        if role == "background":
+            acquire.update(role="parent", background=True)
+        assert sp.ask(acquire)["op"] == "granted"
         sp.ask({"op": "usage", "queueKey": K, "sessionKey": "S", "prefilled": 1000, "reused": 0})
         p2.send({"op": "acquire", "queueKey": K, "sessionKey": "P2", "role": "parent"})
         wait_for(lambda: d.waiting(K) == ["P2"])
