@@ -380,12 +380,19 @@ def teach(p: Any) -> None:
                       "reused": reused})["op"] == "ok"
 
 
-def test_a_turn_over_the_socket_keeps_the_persons_context_from_a_subagents_rotation() -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_a_turn_over_the_socket_keeps_the_persons_context_from_a_subagents_rotation(background: bool) -> None:
+    """P's turn park keeps its context from the subagents' rotation: A's gap keeps its slot from
+    B.  A parent whose acquire said ``background`` has no person behind it: its ``turn`` park is
+    a park for good, and A's gap hands the slot to B at once."""
     for d in started(config={"defaults": AGED}):
         t = d.peer()
         teach(t)
         p, a, b = d.peer(), d.peer(), d.peer()
-        assert p.ask({"op": "acquire", "queueKey": K, "sessionKey": "P"})["op"] == "granted"
+        acquire = {"op": "acquire", "queueKey": K, "sessionKey": "P"}
+        if background:
+            acquire["background"] = True
+        assert p.ask(acquire)["op"] == "granted"
         t.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 1000, "reused": 0})
         a.send({"op": "acquire", "queueKey": K, "sessionKey": "A", "role": "child"})
         wait_for(lambda: d.waiting(K) == ["A"])
@@ -396,6 +403,10 @@ def test_a_turn_over_the_socket_keeps_the_persons_context_from_a_subagents_rotat
         b.send({"op": "acquire", "queueKey": K, "sessionKey": "B", "role": "child"})
         wait_for(lambda: d.waiting(K) == ["B"])
         reply = a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True, "gap": True})
+        if background:  # no person thinks: P's context is done with, and B's run evicts it
+            assert reply["granted"] is False
+            assert b.recv(SOON)["op"] == "granted" and d.holders(K) == ["B"]
+            continue
         assert reply["granted"] is True  # kept: B's run would push the person's context out
         assert b.silent(0.3) and d.holders(K) == ["A"]
         p.send({"op": "acquire", "queueKey": K, "sessionKey": "P"})  # the person's next turn
