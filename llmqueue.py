@@ -337,6 +337,23 @@ def _overlay(base: QueuePolicy, path: str, obj: dict[str, Any], errors: list[str
     return base._replace(**changes)
 
 
+def _did_you_mean(word: str, known: Sequence[str]) -> str:
+    """`` (did you mean X?)`` for the known name closest to a typo (case aside), else ''."""
+    import difflib
+
+    by_lower = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]}?)" if close else ""
+
+
+def _unknown_field(path: str, key: str, known: Sequence[str]) -> str:
+    return f"{path} is not a config field and is ignored{_did_you_mean(key, known)}"
+
+
+_DEFAULTS_KNOWN = tuple(_POLICY_FIELDS) + _CLIENT_FIELDS + _DAEMON_FIELDS
+_ENTRY_KNOWN = tuple(_POLICY_FIELDS) + _ENTRY_ONLY_FIELDS
+
+
 def validate_config(raw: Any) -> tuple[Config, list[str], list[str]]:
     """Validate a parsed llm-queue.json.  Returns ``(config, errors, warnings)``.
 
@@ -349,7 +366,7 @@ def validate_config(raw: Any) -> tuple[Config, list[str], list[str]]:
         return Config(), [f"the config must be a JSON object (got {_show(raw)})"], []
     for key in raw:
         if key not in ("schemaVersion", "defaults", "queues"):
-            warnings.append(f"{key} is not a config field and is ignored")
+            warnings.append(_unknown_field(key, key, ("schemaVersion", "defaults", "queues")))
 
     schema = raw.get("schemaVersion", SCHEMA_VERSION)
     if not _is_int(schema) or schema < 1:
@@ -390,7 +407,7 @@ def validate_config(raw: Any) -> tuple[Config, list[str], list[str]]:
             elif key in _ENTRY_ONLY_FIELDS:
                 warnings.append(f"{path} is ignored: it is valid on queue entries only")
             else:
-                warnings.append(f"{path} is not a config field and is ignored")
+                warnings.append(_unknown_field(path, key, _DEFAULTS_KNOWN))
 
     entries: list[QueueEntry] = []
     queues_raw = raw.get("queues", {})
@@ -416,7 +433,7 @@ def validate_config(raw: Any) -> tuple[Config, list[str], list[str]]:
             if key in _CLIENT_FIELDS or key in _DAEMON_FIELDS:
                 warnings.append(f"{path}.{key} is ignored: it is valid in defaults only")
             elif key not in _POLICY_FIELDS and key not in _ENTRY_ONLY_FIELDS:
-                warnings.append(f"{path}.{key} is not a config field and is ignored")
+                warnings.append(_unknown_field(f"{path}.{key}", key, _ENTRY_KNOWN))
         if not enabled:
             policy = policy._replace(max_streams=None)
         entries.append(QueueEntry(name, policy, enabled, match))
@@ -607,7 +624,10 @@ def _is_url(key: str) -> bool:
 
 def normalize_url(url: str) -> str:
     """An endpoint URL in the form queues compare: scheme and host lower-cased, the scheme's
-    default port dropped, trailing slashes removed.  The path, query and user info keep their
+    default port dropped, trailing slashes removed, and the path ending in ``/v1``: a server's
+    root and its OpenAI base URL are one server, so ``http://h:8080``, ``http://h:8080/`` and
+    ``http://h:8080/v1/`` are all ``http://h:8080/v1`` (one queue, whichever form a client,
+    ``llmqueue run``, the proxy or models.json names).  The path, query and user info keep their
     case.  A key that is not a URL is returned unchanged."""
     if not _is_url(url):
         return url
@@ -629,6 +649,8 @@ def normalize_url(url: str) -> str:
     authority = f"{userinfo}{at}{host}{':' + port if port else ''}"
     path, qmark, query = tail.partition("?")
     path = path.rstrip("/")
+    if not path.endswith("/v1"):
+        path += "/v1"
     return f"{scheme}://{authority}{path}{qmark}{query}"
 
 
@@ -2530,10 +2552,12 @@ def _parse_request(line: Union[bytes, str]) -> Request:
     if not isinstance(msg, dict):
         raise ProtocolError(f"a request must be a JSON object (got {type(msg).__name__})")
     op = msg.get("op")
+    if op is None:
+        raise ProtocolError(f"missing op: every request names one ({', '.join(OPS)})")
     if not isinstance(op, str):
         raise ProtocolError(f"op must be a string (got {_show(op)})")
     if op not in OPS:
-        raise ProtocolError(f"unknown op: {_show(op)}")
+        raise ProtocolError(f"unknown op: {_show(op)}{_did_you_mean(op, OPS)}")
     queue_key = _text_field(msg, "queueKey")
     session_key = _text_field(msg, "sessionKey")
     group = msg.get("group")
@@ -2694,8 +2718,10 @@ def _iso_utc(wall: float) -> str:
 
 
 def default_agent_dir() -> str:
-    """pi's rule: ``$PI_CODING_AGENT_DIR``, else ``~/.pi/agent``."""
-    return os.environ.get("PI_CODING_AGENT_DIR") or os.path.join(os.path.expanduser("~"), ".pi", "agent")
+    """``$LLMQUEUE_DIR``, else pi's rule: ``$PI_CODING_AGENT_DIR``, else ``~/.pi/agent``.  (pi is
+    the coding-agent CLI whose directory the queue first lived in; nothing of pi is needed.)"""
+    return (os.environ.get("LLMQUEUE_DIR") or os.environ.get("PI_CODING_AGENT_DIR")
+            or os.path.join(os.path.expanduser("~"), ".pi", "agent"))
 
 
 def _peer_uid(sock: socket.socket) -> Optional[int]:
@@ -2742,7 +2768,7 @@ class Daemon:
     def __init__(self, agent_dir: Optional[str] = None, *, socket_path: Optional[str] = None,
                  config_path: Optional[str] = None, models_json: Optional[str] = None,
                  sweep_ms: int = DEFAULT_SWEEP_MS, idle_exit_ms: Optional[int] = None,
-                 stderr: Optional[IO[str]] = None) -> None:
+                 stderr: Optional[IO[str]] = None, log_file: Optional[str] = None) -> None:
         if sweep_ms < 1:
             raise ValueError("sweep_ms must be at least 1")
         self.agent_dir = agent_dir or default_agent_dir()
@@ -2754,7 +2780,9 @@ class Daemon:
         self._state_note: Optional[str] = None
         self.sweep_ms = sweep_ms
         self.idle_exit_ms = idle_exit_ms
+        self.log_file = os.path.abspath(os.path.expanduser(log_file)) if log_file else None  # over the config's
         self._stderr = stderr
+        self.announce = False  # say on stderr when it starts serving and when it exits for idleness
         self.exit_reason: Optional[str] = None
         self._stopping = False
         self._listener: Optional[socket.socket] = None
@@ -2782,6 +2810,7 @@ class Daemon:
         self._watch_sig: Any = None
         self._pending_sig: Any = None
         self._watch_note: Optional[str] = None
+        self._config_errors: list[str] = []  # why the config file on disk is not the one served
         self.config = Config()
         self.catalog: dict[str, str] = {}
         self.scheduler = Scheduler()
@@ -2889,12 +2918,26 @@ class Daemon:
         try:
             self.bind()
             self._start()
+            if self.announce:
+                self._say(f"serving on {self.socket_path}; {self._lifetime()}")
             while not self._stopping:
                 self._turn()
+            if self.announce and self.exit_reason == "idle":
+                self._say("no client for a while: exiting (the next client starts a daemon again)")
         finally:
             if restore is not None:
                 restore()
             self._shutdown()
+
+    def _lifetime(self) -> str:
+        """How long this daemon stays, in a person's words."""
+        delay = self._idle_exit_delay()
+        if delay is None:
+            return "it stays until stopped (Ctrl-C)"
+        after = f"{delay / 1000:g} s after its last client leaves" if delay else "when its last client leaves"
+        if delay < NO_CLIENT_EXIT_FLOOR_MS:
+            after += f" (after {NO_CLIENT_EXIT_FLOOR_MS // 1000} s if none comes)"
+        return f"it exits {after}; clients start it on demand, and --idle-exit-ms never keeps it running"
 
     def _install_signals(self) -> Callable[[], None]:
         def on_stop(signum: int, frame: Any) -> None:
@@ -3146,7 +3189,12 @@ class Daemon:
             self._apply([used])
             self._send(c, encode_usage(req.queue_key, req.session_key, used.switch_cost))
         elif op == "status":
-            self._send(c, b'{"op":"status","queues":' + sched.status_json(now).encode() + b"}\n")
+            tail = b"}\n"
+            if self.log_path:  # additive: where ``llmqueue report`` finds the events
+                tail = b',"logFile":' + json.dumps(self.log_path).encode() + tail
+            if self._config_errors:  # additive: what is wrong with the config the daemon is not serving
+                tail = b',"configErrors":' + json.dumps(self._config_errors).encode() + tail
+            self._send(c, b'{"op":"status","queues":' + sched.status_json(now).encode() + tail)
         elif op == "bye":  # spec (#63): disconnected now, though the socket stays open
             self._apply(sched.disconnect(c, now=now))
             self._uncount(c)
@@ -3157,7 +3205,8 @@ class Daemon:
         """Replies and log lines from the same events, so the two cannot disagree.  Dead spells
         that ended in the same call are logged first: they end while their holder still holds."""
         spells = self.scheduler.take_dead()
-        if spells and self.config.log_file:
+        logging = self.log_path is not None
+        if spells and logging:
             for spell in spells:
                 self._log_lines.extend(_event_record(spell))
         learned = False
@@ -3169,7 +3218,7 @@ class Daemon:
             elif isinstance(event, Usage) and event.kept is not None:
                 self._state_at[event.queue_key] = time.time()
                 learned = True
-            if self.config.log_file:
+            if logging:
                 self._log_lines.extend(_event_record(event))
         if learned:
             self._save_state()
@@ -3431,20 +3480,27 @@ class Daemon:
         elif self._watch_note is not None:
             self._say(f"{self.config_path}: readable again")
             self._watch_note = None
+        if load.state in ("torn", "invalid"):
+            # The last good config stays (spec).  A half-written file settled through the
+            # debounce before this read, so bad JSON here is the file as saved: say so, once per
+            # edit, and in ``status`` until a good one is read.
+            keeping = "serving with defaults" if startup else "keeping the last good config"
+            self._config_errors = [e if e.startswith(self.config_path) else f"{self.config_path}: {e}"
+                                   for e in load.errors] + [f"config rejected; {keeping}"]
+        elif load.state in ("ok", "missing"):
+            self._config_errors = []
         if load.state == "torn":
-            if startup:
-                self._say(f"{load.errors[0]}; serving with defaults")
-            else:
-                return  # spec: a half-written file is a silent no-op
+            self._say(f"{load.errors[0]}; {keeping} (fix the file; it is read again when saved)")
+            if not startup:
+                return
         for warning in load.warnings:
             self._say(f"{self.config_path}: warning: {warning}")
         if load.state == "invalid":
             for error in load.errors:
                 self._say(f"{self.config_path}: {error}")
+            self._say(f"config rejected; {keeping}")
             if not startup:
-                self._say("config rejected; keeping the last good config")
                 return
-            self._say("config rejected; serving with defaults")
         config = load.config if load.state in ("ok", "missing") else Config()
         if not startup and config == self.config and catalog == self.catalog:
             return
@@ -3460,18 +3516,28 @@ class Daemon:
 
     # -- the event log ----------------------------------------------------------------------------
 
+    @property
+    def log_path(self) -> Optional[str]:
+        """The event log's path: ``--log-file``, else the config's ``logFile`` (relative to the
+        config's folder); None when there is none."""
+        if self.log_file:
+            return self.log_file
+        path = self.config.log_file
+        if not path:
+            return None
+        return os.path.join(os.path.dirname(os.path.abspath(self.config_path)), os.path.expanduser(path))
+
     def _flush_log(self) -> None:
         """Append this turn's event lines.  Best effort: every failure is swallowed, because
         observability must never become an availability risk."""
         if not self._log_lines:
             return
         lines, self._log_lines = self._log_lines, []
-        path = self.config.log_file
+        path = self.log_path
         if not path:
             return
         ts = _iso_utc(time.time())
         data = "".join(json.dumps(dict(line, ts=ts), separators=(",", ":")) + "\n" for line in lines).encode()
-        path = os.path.join(os.path.dirname(os.path.abspath(self.config_path)), os.path.expanduser(path))
         try:
             # Never block the loop on the log: a FIFO or a device there is refused, not opened
             # for a write that waits for a reader.
@@ -3698,8 +3764,10 @@ class Client:
                  queue_timeout_ms: Optional[int] = None,
                  on_warning: Optional[Callable[[str], None]] = None,
                  on_position: Optional[Callable[[Lease, int], None]] = None,
-                 spawn_timeout: float = 5.0) -> None:
+                 spawn_timeout: float = 5.0, log_file: Optional[str] = None) -> None:
         self.agent_dir = agent_dir or default_agent_dir()
+        # the event log of a daemon this client starts (its --log-file); a running one keeps its own
+        self.log_file = os.path.abspath(os.path.expanduser(log_file)) if log_file else None
         self._paths = (socket_path, config_path, models_json)
         self.socket_path = socket_path or os.path.join(self.agent_dir, "llm-queue.sock")
         self.config_path = config_path or os.path.join(self.agent_dir, "llm-queue.json")
@@ -3776,7 +3844,8 @@ class Client:
             return None
         except OSError as e:
             sock.close()
-            raise DaemonUnavailable(f"cannot connect to {self.socket_path}: {e.strerror or e}") from None
+            raise DaemonUnavailable(f"cannot connect to {self.socket_path}: {e.strerror or e}"
+                                    f"{self._why_no_daemon()}") from None
         return sock
 
     def _spawn(self) -> None:
@@ -3786,7 +3855,8 @@ class Client:
         import subprocess
 
         command = daemon_command(self.agent_dir)
-        for flag, value in zip(("--socket", "--config", "--models-json"), self._paths):
+        for flag, value in zip(("--socket", "--config", "--models-json", "--log-file"),
+                               self._paths + (self.log_file,)):
             if value:
                 command += [flag, value]
         for proc in self._spawned:
@@ -3798,6 +3868,23 @@ class Client:
                 stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True, cwd="/"))
         except OSError:
             pass  # the connect below reports the daemon as unreachable
+
+    def _why_no_daemon(self) -> str:
+        """What stands in the way of a daemon, when it can be seen from here: an agent dir that
+        cannot be made or written, or a daemon we started that failed."""
+        folder = os.path.dirname(self.socket_path) or "."
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            return (f" (cannot create or write {folder}: {e.strerror or e}; pass --agent-dir, or set "
+                    "LLMQUEUE_DIR, to a directory you can write)")
+        failed = [p.returncode for p in self._spawned if p.poll() not in (None, 0)]
+        if failed:
+            return (f" (the daemon it started exited with status {failed[-1]}: run "
+                    f"'python3 {os.path.abspath(__file__)} --agent-dir {self.agent_dir}' to see why)")
+        return ""
 
     def _connect(self) -> socket.socket:
         """The live connection, made (and the daemon started) if need be.  Holds ``_cv``."""
@@ -3827,7 +3914,7 @@ class Client:
                     self._spawn()
         if sock is None:
             self._spawn_backoff_until = time.monotonic() + SPAWN_BACKOFF_S
-            raise DaemonUnavailable(f"no daemon answers on {self.socket_path}")
+            raise DaemonUnavailable(f"no daemon answers on {self.socket_path}{self._why_no_daemon()}")
         self._read_config()
         self._sock = sock
         self._heard = False
@@ -4256,6 +4343,12 @@ class Client:
 
     def status(self, timeout: float = 5.0) -> list[dict[str, Any]]:
         """The daemon's ``status`` queues (starting the daemon if need be)."""
+        queues = self.status_reply(timeout).get("queues")
+        return queues if isinstance(queues, list) else []
+
+    def status_reply(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The daemon's whole ``status`` reply (starting the daemon if need be): its queues, and
+        where it logs (``logFile``) and what is wrong with its config (``configErrors``), if so."""
         pending = _Pending()
         with self._cv:
             self._connect()
@@ -4263,8 +4356,7 @@ class Client:
         self._send({"op": "status"})
         if not pending.event.wait(timeout) or pending.reply is None:
             raise DaemonUnavailable("no status reply from the daemon")
-        queues = pending.reply.get("queues")
-        return queues if isinstance(queues, list) else []
+        return pending.reply
 
     def _position(self, lease: Lease) -> Optional[int]:
         """Where the session waits (1 is next), in enqueue order, as ``status`` shows it: in the
@@ -4845,6 +4937,25 @@ def _split_session_path(path: str) -> tuple[Optional[str], Optional[str], str]:
     return urllib.parse.unquote(parts[2]), role, "/" + rest
 
 
+# -- what takes a slot -------------------------------------------------------------------------------
+#
+# Only a model call takes a slot: a POST that makes the server prefill and decode.  Everything else
+# (``HEAD /``, which Claude Code sends before each run, ``GET /v1/models``, ``/health``, ``/props``,
+# token counting) passes straight through, with no slot, no switch and no count.
+
+_MODEL_CALL_PATHS = (
+    "/chat/completions", "/completions", "/responses", "/responses/compact",  # OpenAI
+    "/messages",  # Anthropic Messages (``/messages/count_tokens`` is no model call)
+    "/completion", "/infill",  # llama.cpp's own
+    "/api/chat", "/api/generate",  # Ollama's own
+)
+
+
+def model_call(method: str, path: str) -> bool:
+    """Whether a request through the proxy is a model call, which queues for a slot."""
+    return method == "POST" and path.split("?", 1)[0].rstrip("/").endswith(_MODEL_CALL_PATHS)
+
+
 # -- who is asking ----------------------------------------------------------------------------------
 #
 # Agent CLIs already say who they are, in headers and body fields of their own.  The proxy keys a
@@ -4881,9 +4992,31 @@ class Identity(NamedTuple):
     continued: bool = False  # the request goes on after a reply of the model (``continues``)
 
 
+# Fields a client sets afresh on each request of one conversation, which say nothing of its
+# content: Anthropic's cache breakpoint moves to the newest message at every request (pi does so).
+_VOLATILE_FIELDS = ("cache_control",)
+
+
+def _without_volatile(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_volatile(v) for k, v in value.items() if k not in _VOLATILE_FIELDS}
+    if isinstance(value, list):
+        return [_without_volatile(v) for v in value]
+    return value
+
+
 def _text_of(content: Any) -> Any:
-    """A message's content as the fingerprint sees it: a string, or its parts' JSON."""
-    return content if isinstance(content, str) else json.dumps(content, sort_keys=True, default=str)
+    """A message's content as the fingerprint sees it: a string (text parts alone are their
+    text: a string and the same words in one ``text`` block are one conversation), or its parts'
+    JSON less the volatile fields (``cache_control``)."""
+    if isinstance(content, str):
+        return content
+    content = _without_volatile(content)
+    if isinstance(content, list) and content and all(
+            isinstance(part, dict) and part.get("type") in ("text", "input_text") and set(part) <= {"type", "text"}
+            and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    return json.dumps(content, sort_keys=True, default=str)
 
 
 def conversation_fingerprint(body: dict[str, Any]) -> Optional[str]:
@@ -5488,11 +5621,14 @@ class Proxy:
         self._people: OrderedDict[str, float] = OrderedDict()
         self.upstream = upstream
         self._target = parsed
+        # A client's paths start at the server's root (``/v1/chat/completions``), so an upstream
+        # given as the OpenAI base URL (``http://h:8080/v1``) is the same server: not ``/v1/v1``.
+        self._base = parsed.path.rstrip("/")
         # llama.cpp's slot files at a switch (it turns itself off where the server has none)
         if isinstance(slot_files, bool) or not isinstance(slot_files, int) or slot_files < 0:
             raise ValueError(f"slot_files must be a count of files, 0 for none (got {slot_files!r})")
         self.slots: Optional[SlotStore] = SlotStore(upstream, slot_files, log=log) if slot_files else None
-        self.queue_key = queue_key or upstream
+        self.queue_key = queue_key or normalize_url(upstream)
         self.role = role
         self.grace_ms = grace_ms
         self.client = client
@@ -5503,6 +5639,14 @@ class Proxy:
         handler = _make_proxy_handler(self)
         self.server = ThreadingHTTPServer(listen, handler)
         self.server.daemon_threads = True
+
+    def upstream_path(self, path: str) -> str:
+        """The upstream's path for a request's ``path``: the upstream URL's path, then the
+        request's, except that a ``/v1`` both name is said once."""
+        base = self._base
+        if base.endswith("/v1") and (path == "/v1" or path.startswith(("/v1/", "/v1?"))):
+            base = base[:-3]
+        return base + path
 
     @property
     def url(self) -> str:
@@ -5634,9 +5778,14 @@ class Proxy:
         no person behind it (``unattended``), from this request's acquire on."""
         import uuid
 
-        own = session_key is None
-        key = session_key or f"proxy-{uuid.uuid4()}"
         with self._lock:
+            busy = self._sessions.get(session_key or "")
+            if session_key is not None and session_key.startswith("conv:") and busy is not None and busy.inflight > 0:
+                # Two identical conversations with nothing named (two runs of one prompt): one
+                # grant must never cover both on the server, so the second is a session of its own.
+                session_key = None
+            own = session_key is None
+            key = session_key or f"proxy-{uuid.uuid4()}"
             ps = self._sessions.get(key)
             if ps is None:
                 # A proxy session settles after every response: a subagent's grace is what keeps
@@ -5753,6 +5902,10 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
         def log_message(self, format: str, *args: Any) -> None:
             proxy.log(f"{self.address_string()} {format % args}")
 
+        def send_response_only(self, code: int, message: Optional[str] = None) -> None:
+            self._status = code
+            super().send_response_only(code, message)
+
         def _error(self, status: int, kind: str, message: str) -> None:
             body = json.dumps({"error": {"message": message, "type": kind, "upstream": proxy.upstream}}).encode()
             self.send_response_only(status)
@@ -5788,6 +5941,13 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 self._error(400, "llmqueue_bad_request", "unreadable request body")
                 self.close_connection = True
                 return
+            self._status = 0
+            started = time.monotonic()
+            if not model_call(self.command, path):  # no slot, no switch, no count
+                self._relay(path, body)
+                proxy.log(f"{self.command} {path} -> {self._status or 'no answer'} in "
+                          f"{time.monotonic() - started:.2f} s, passed through (no model call: no slot)")
+                return
             ident = proxy.identify({k.lower(): v for k, v in self.headers.items()}, body, session, role)
             named = role
             role, interactive = proxy.tier(ident, named)
@@ -5814,6 +5974,8 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
             finally:
                 proxy.end(key, ok=ok, ending=self._scanner.ending if self._scanner is not None else None,
                           person=ident.person)
+                proxy.log(f"{self.command} {path} -> {self._status or 'no answer'} in "
+                          f"{time.monotonic() - started:.2f} s, session {key}")
 
         def _relay(self, path: str, body: bytes) -> bool:
             """Forward one request and stream its response back; True when it completed well."""
@@ -5828,7 +5990,7 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
             if body or self.command in ("POST", "PUT", "PATCH"):
                 headers["Content-Length"] = str(len(body))
             try:
-                upstream.request(self.command, target.path.rstrip("/") + path, body=body or None, headers=headers)
+                upstream.request(self.command, proxy.upstream_path(path), body=body or None, headers=headers)
                 if upstream.sock is not None:
                     upstream.sock.settimeout(None)  # a stream may pause for as long as it likes
                 response = upstream.getresponse()
@@ -6455,6 +6617,17 @@ def render_svg(events: list[dict[str, Any]], since: Optional[float] = None, unti
 # =================================================================================================
 
 
+AGENT_DIR_HELP = "the agent dir (default: $LLMQUEUE_DIR, else $PI_CODING_AGENT_DIR, else ~/.pi/agent)"
+_COMMAND_HELP = (
+    ("proxy", "put any agent behind the queue: a proxy in front of your model server"),
+    ("run", "hold a slot while a command runs: llmqueue run --queue URL -- COMMAND"),
+    ("status", "show every queue, its holders and its waiters"),
+    ("report", "where the time went, from the event log"),
+    ("check-config", "validate llm-queue.json and show where each key queues"),
+    ("daemon", "run the daemon in the foreground (the default; clients start it on demand)"),
+)
+
+
 def _idle_exit_arg(text: str) -> int:
     if text == "never":
         return -1
@@ -6482,7 +6655,8 @@ def _paths_parser(prog: str, description: str) -> argparse.ArgumentParser:
     import argparse
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--agent-dir", help="the agent dir (default: $PI_CODING_AGENT_DIR, else ~/.pi/agent)")
+    parser.add_argument("--version", action="version", version=f"llmqueue {__version__}")
+    parser.add_argument("--agent-dir", help=AGENT_DIR_HELP)
     parser.add_argument("--socket", help="the daemon socket (default: AGENT_DIR/llm-queue.sock)")
     return parser
 
@@ -6506,7 +6680,7 @@ def _raise_fd_limit() -> None:
 _DAEMON_FLAGS: Dict[str, Tuple[str, Callable[[str], Any]]] = {
     "--agent-dir": ("agent_dir", str), "--socket": ("socket", str), "--config": ("config", str),
     "--models-json": ("models_json", str), "--sweep-ms": ("sweep_ms", _positive_arg),
-    "--idle-exit-ms": ("idle_exit_ms", _idle_exit_arg),
+    "--idle-exit-ms": ("idle_exit_ms", _idle_exit_arg), "--log-file": ("log_file", str),
 }
 
 
@@ -6514,7 +6688,7 @@ def _daemon_args_quick(argv: list[str]) -> Optional[dict[str, Any]]:
     """The daemon's flags without argparse (a client spawns daemons: their start is on its
     path).  None for anything unusual -- help, a typo, a bad value -- which argparse explains."""
     args: dict[str, Any] = {"agent_dir": None, "socket": None, "config": None, "models_json": None,
-                            "sweep_ms": DEFAULT_SWEEP_MS, "idle_exit_ms": None}
+                            "sweep_ms": DEFAULT_SWEEP_MS, "idle_exit_ms": None, "log_file": None}
     i = 0
     try:
         while i < len(argv):
@@ -6538,7 +6712,14 @@ def _cmd_daemon(argv: list[str]) -> int:
     quick = _daemon_args_quick(argv)
     if quick is not None:
         return _serve(**quick)
-    parser = _paths_parser("llmqueue", "Run the llmqueue daemon in the foreground.")
+    import argparse
+
+    parser = _paths_parser("llmqueue", "Queue coding agents onto one local model server.  With no command, "
+                                       "run the llmqueue daemon in the foreground (clients start it on demand).")
+    parser.usage = "llmqueue [COMMAND] [options]"
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "commands:\n" + "\n".join(f"  {name:<13} {text}" for name, text in _COMMAND_HELP) + \
+        "\n\n'llmqueue COMMAND --help' tells more of each."
     parser.add_argument("--config", help="the config file (default: AGENT_DIR/llm-queue.json)")
     parser.add_argument("--models-json", help="pi's provider catalog (default: AGENT_DIR/models.json)")
     parser.add_argument("--sweep-ms", type=_positive_arg, default=DEFAULT_SWEEP_MS,
@@ -6546,16 +6727,18 @@ def _cmd_daemon(argv: list[str]) -> int:
     parser.add_argument("--idle-exit-ms", type=_idle_exit_arg, default=None,
                         help="exit this long after the last client leaves, or 'never' "
                              "(default: the config's daemonIdleExitMs, 0)")
-    parser.add_argument("--version", action="version", version=f"llmqueue {__version__}")
+    parser.add_argument("--log-file", metavar="PATH", help="append the event log here (default: the config's logFile)")
     args = parser.parse_args(argv)
-    return _serve(args.agent_dir, args.socket, args.config, args.models_json, args.sweep_ms, args.idle_exit_ms)
+    return _serve(args.agent_dir, args.socket, args.config, args.models_json, args.sweep_ms, args.idle_exit_ms,
+                  args.log_file)
 
 
 def _serve(agent_dir: Optional[str], socket: Optional[str], config: Optional[str], models_json: Optional[str],
-           sweep_ms: int, idle_exit_ms: Optional[int]) -> int:
+           sweep_ms: int, idle_exit_ms: Optional[int], log_file: Optional[str] = None) -> int:
     _raise_fd_limit()
     daemon = Daemon(agent_dir, socket_path=socket, config_path=config, models_json=models_json,
-                    sweep_ms=sweep_ms, idle_exit_ms=idle_exit_ms)
+                    sweep_ms=sweep_ms, idle_exit_ms=idle_exit_ms, log_file=log_file)
+    daemon.announce = True
     try:
         daemon.serve_forever()
     except AlreadyRunning as e:
@@ -6697,7 +6880,8 @@ def _cmd_status(argv: list[str]) -> int:
             elif args.format == "prometheus":
                 text = format_prometheus(queues)
             else:
-                text = format_status(queues)
+                text = format_status(queues) + "".join(
+                    f"config: {error}\n" for error in reply.get("configErrors") or [])
             if args.watch is None:
                 sys.stdout.write(text)
                 return 0
@@ -6745,9 +6929,15 @@ def _cmd_run(argv: list[str]) -> int:
     parser.add_argument("--group", help="a label shown by status")
     parser.add_argument("--fail-closed", action="store_true",
                         help="exit 75 instead of running unqueued when no daemon can be had")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not command:
+        if extra[0].startswith("-"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error(f"put the command after --: llmqueue run --queue {args.queue} -- {' '.join(extra)}")
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not command:
-        parser.error("no command given after --")
+        parser.error("no command given after --: llmqueue run --queue KEY -- COMMAND [ARGS...]")
     import subprocess
 
     tty = sys.stderr.isatty()
@@ -6767,7 +6957,8 @@ def _cmd_run(argv: list[str]) -> int:
             print("\nllmqueue: cancelled while queued", file=sys.stderr)
             return 130
         except DaemonUnavailable as e:
-            print(f"llmqueue: {e}", file=sys.stderr)
+            print(f"llmqueue: {e}; the command was not run (exit status 75: try again later, or drop "
+                  "--fail-closed to run it unqueued)", file=sys.stderr)
             return 75  # EX_TEMPFAIL
         if tty and lease.queued:
             sys.stderr.write("\r\x1b[K")
@@ -6802,7 +6993,8 @@ def _cmd_check_config(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="llmqueue check-config",
                                      description="Validate llm-queue.json and show where each key queues.")
-    parser.add_argument("--agent-dir", help="the agent dir (default: $PI_CODING_AGENT_DIR, else ~/.pi/agent)")
+    parser.add_argument("--version", action="version", version=f"llmqueue {__version__}")
+    parser.add_argument("--agent-dir", help=AGENT_DIR_HELP)
     parser.add_argument("--config", help="the config file (default: AGENT_DIR/llm-queue.json)")
     parser.add_argument("--models-json", help="pi's provider catalog (default: AGENT_DIR/models.json)")
     args = parser.parse_args(argv)
@@ -6890,19 +7082,36 @@ def _cmd_proxy(argv: list[str]) -> int:
     parser.add_argument("--slot-files", type=_count_arg, default=SLOT_FILES, metavar="N",
                         help="contexts kept in llama.cpp slot files at a switch, where the upstream is a "
                              f"one-slot llama-server with --slot-save-path (default {SLOT_FILES}; 0: never)")
-    parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
+    parser.add_argument("--verbose", action="store_true",
+                        help="log every request on stderr: its time, session, response status and duration")
+    parser.add_argument("--log", metavar="FILE",
+                        help="the daemon's event log, for 'llmqueue report' (a daemon this proxy starts "
+                             "writes it; default: the config's logFile)")
     args = parser.parse_args(argv)
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    def stamped(message: str) -> None:
+        now = time.time()
+        say(f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now % 1 * 1000):03d} {message}")
+
     client = Client(args.agent_dir, socket_path=args.socket,
-                    fail_open=False if args.fail_closed else None, on_warning=say)
+                    fail_open=False if args.fail_closed else None, on_warning=say, log_file=args.log)
     try:
         proxy = Proxy(args.upstream, client=client, listen=args.listen, queue_key=args.queue, role=args.role,
-                      allow_remote=args.allow_remote, log=say if args.verbose else None,
+                      allow_remote=args.allow_remote, log=stamped if args.verbose else None,
                       identity=args.identity, slot_files=args.slot_files)
-    except (ValueError, OSError) as e:
+    except OSError as e:
+        host, port = args.listen
+        if e.errno == errno.EADDRINUSE:
+            say(f"llmqueue proxy: cannot listen on {host}:{port}: the address is in use (another llmqueue "
+                f"proxy, or another server?); pass --listen {host}:PORT for another port")
+        else:
+            say(f"llmqueue proxy: cannot listen on {host}:{port}: {e.strerror or e}")
+        client.close()
+        return 2
+    except ValueError as e:
         say(f"llmqueue proxy: {e}")
         client.close()
         return 2
@@ -6912,6 +7121,15 @@ def _cmd_proxy(argv: list[str]) -> int:
     server = threading.Thread(target=proxy.serve_forever, name="llmqueue-proxy", daemon=True)
     server.start()
     say(f"llmqueue proxy: {proxy.url} -> {args.upstream} (queue {proxy.queue_key})")
+    if args.log:
+        try:
+            logged = client.status_reply().get("logFile")
+        except (DaemonUnavailable, LLMQueueError):
+            logged = client.log_file  # fail-open: no daemon to ask
+        if logged != client.log_file:
+            say(f"llmqueue proxy: the daemon that was already running logs to {logged or 'no file'}, "
+                f"not {client.log_file}: --log applies to a daemon the proxy starts (stop that one, "
+                "or set defaults.logFile in its config)")
     while not done.wait(1.0):
         pass
     proxy.shutdown()
@@ -6919,23 +7137,57 @@ def _cmd_proxy(argv: list[str]) -> int:
     return 0
 
 
+def _find_log(agent_dir: str, config_path: str) -> Optional[str]:
+    """The event log ``llmqueue report`` reads by default: the running daemon's (it knows a
+    ``--log-file`` too), else the config's ``logFile``; None when neither names one."""
+    try:
+        logged = _ask(os.path.join(agent_dir, "llm-queue.sock"), {"op": "status"}, timeout=2.0).get("logFile")
+        if isinstance(logged, str) and logged:
+            return logged
+    except (OSError, ValueError):
+        pass
+    path = load_config(config_path).config.log_file
+    if not path:
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(config_path)), os.path.expanduser(path))
+
+
 def _cmd_report(argv: list[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="llmqueue report",
                                      description="Figures per queue, and a timeline picture, from the event log.")
-    parser.add_argument("logfile", nargs="+", help="the event log (rotated files may be given together)")
+    parser.add_argument("--version", action="version", version=f"llmqueue {__version__}")
+    parser.add_argument("logfile", nargs="*",
+                        help="the event log; rotated files may be given together (default: the running "
+                             "daemon's, else the config's logFile)")
+    parser.add_argument("--agent-dir", help=AGENT_DIR_HELP)
     parser.add_argument("--since", help="start of the window: an ISO-8601 UTC time, or a duration before the log's end (90m, 2h)")
     parser.add_argument("--until", help="end of the window, the same way")
     parser.add_argument("--queue", help="only this queue (its key as the log names it)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--svg", metavar="FILE", help="also write a timeline picture (SVG) to FILE")
     args = parser.parse_args(argv)
+    agent_dir = args.agent_dir or default_agent_dir()
+    config_path = os.path.join(agent_dir, "llm-queue.json")
+    if not args.logfile:
+        found = _find_log(agent_dir, config_path)
+        if found is None:
+            print(f"llmqueue report: no event log to read: the daemon keeps none unless told.  Turn it on with "
+                  f'"defaults": {{"logFile": "llm-queue.log"}} in {config_path}, or start the proxy with '
+                  "--log FILE; then run llmqueue report again (or name the file).", file=sys.stderr)
+            return 1
+        args.logfile = [found]
     try:
         events = read_event_log(args.logfile)
         end = events[-1]["t"] if events else time.time()
         since = _parse_when(args.since, end) if args.since else None
         until = _parse_when(args.until, end) if args.until else None
+    except FileNotFoundError as e:
+        print(f"llmqueue report: {e.filename}: no such file.  The event log is written where the config's "
+              f"defaults.logFile ({config_path}) or the proxy's --log says, from the first event on.",
+              file=sys.stderr)
+        return 1
     except (OSError, ValueError) as e:
         print(f"llmqueue report: {e}", file=sys.stderr)
         return 1
@@ -6960,6 +7212,10 @@ _COMMANDS: Dict[str, Callable[[List[str]], int]] = {
 def main(argv: Optional[List[str]] = None) -> int:
     """The ``llmqueue`` command: a subcommand, or daemon options to run the daemon."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and not args[0].startswith("-") and args[0] not in _COMMANDS:
+        print(f"llmqueue: unknown command {args[0]!r}{_did_you_mean(args[0], list(_COMMANDS))}; the commands "
+              f"are {', '.join(_COMMANDS)} ('llmqueue --help' says what each does)", file=sys.stderr)
+        return 2
     command = args.pop(0) if args and args[0] in _COMMANDS else "daemon"
     return _COMMANDS[command](args)
 

@@ -634,7 +634,9 @@ def test_merging_two_endpoints_into_a_group_keeps_both_holders_over_capacity() -
     (b'{"op":"status","x":NaN}', "invalid JSON"),
     (b'[{"op":"status"}]', "must be a JSON object"),
     (b'"status"', "must be a JSON object"),
-    (b"{}", "op must be a string"),
+    (b"{}", "missing op"),
+    (b'{"op":null}', "missing op"),
+    (b'{"op":"stauts"}', "did you mean status"),
     (b'{"op":1}', "op must be a string"),
     (b'{"op":"frobnicate"}', "unknown op"),
     (b'{"op":"acquire"}', "acquire requires queueKey"),
@@ -703,7 +705,7 @@ def shared() -> Iterator[DaemonProc]:
 
 @pytest.fixture
 def key(request: pytest.FixtureRequest) -> str:
-    return f"http://127.0.0.1:8001/{request.node.name}"
+    return f"http://127.0.0.1:8001/{request.node.name}/v1"  # a server's URL in the form status shows
 
 
 def test_socket_acquire_is_granted_with_the_lease_terms(shared: DaemonProc, key: str) -> None:

@@ -58,6 +58,14 @@ def wait_for(predicate: Any, timeout: float = 5.0, interval: float = 0.005) -> A
         time.sleep(interval)
 
 
+def same_server(key: str) -> str:
+    """The queueKey ``status`` shows for ``key``: a server's URL in its one form (with or without
+    ``/v1``, one queue), any other key as it is."""
+    import llmqueue
+
+    return llmqueue.normalize_url(key)
+
+
 class Peer:
     """A raw client: one unix-socket connection speaking newline-delimited JSON."""
 
@@ -218,21 +226,21 @@ class DaemonProc:
 
     def queue(self, key: str) -> dict[str, Any]:
         for q in self.status():
-            if q["queueKey"] == key:
+            if q["queueKey"] == same_server(key):
                 return q
         raise AssertionError(f"no queue {key} in status")
 
     def holders(self, key: str) -> list[str]:
         """The queue's holders, in grant order; none while the queue does not exist yet."""
         for q in self.status():
-            if q["queueKey"] == key:
+            if q["queueKey"] == same_server(key):
                 return [h["sessionKey"] for h in q["holders"]]
         return []
 
     def waiting(self, key: str) -> list[str]:
         """The queue's waiters, in enqueue order; none while the queue does not exist yet."""
         for q in self.status():
-            if q["queueKey"] == key:
+            if q["queueKey"] == same_server(key):
                 return [w["sessionKey"] for w in q["waiting"]]
         return []
 
@@ -242,6 +250,12 @@ class DaemonProc:
                 return f.read()
         except OSError:
             return ""
+
+    def complaints(self) -> str:
+        """stderr less the daemon's own lifetime lines (serving, exiting for idleness): what it
+        had to say about something wrong."""
+        return "".join(line for line in self.stderr().splitlines(keepends=True)
+                       if not line.startswith(("llmqueue: serving on ", "llmqueue: no client for a while")))
 
     def wait_exit(self, timeout: float = 10.0) -> int:
         assert self.proc is not None

@@ -125,6 +125,13 @@ class StubEndpoint:
                 rec = stub._record("get", self)
                 self._json(rec, 200, json.dumps({"object": "list", "data": [{"id": "stub", "object": "model"}]}).encode())
 
+            def do_HEAD(self) -> None:  # Claude Code's ``HEAD /`` before each run
+                rec = stub._record("head", self)
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                rec["end"] = time.monotonic()
+
             def _json(self, rec: dict[str, Any], status: int, payload: bytes) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

@@ -336,6 +336,21 @@ def test_unknown_and_misplaced_keys_are_path_named_warnings_not_errors(raw: Dict
     assert mentions_path(warnings[0], path), warnings
 
 
+@pytest.mark.parametrize("raw,hint", [
+    ({"defaults": {"leaseTTLms": 5000}}, "did you mean leaseTtlMs?"),
+    ({"defaults": {"maxStream": 2}}, "did you mean maxStreams?"),
+    ({"queues": {"zen": {"maxstreams": 2}}}, "did you mean maxStreams?"),
+    ({"queues": {"zen": {"matches": ["x"]}}}, "did you mean match?"),
+    ({"default": {}}, "did you mean defaults?"),
+])
+def test_a_misspelt_config_field_gets_did_you_mean(raw: Dict[str, Any], hint: str) -> None:
+    """Issue 34: a typo names the field it was meant to be; one far from every field gets none."""
+    _, _, warnings = lq.validate_config(raw)
+    assert len(warnings) == 1 and hint in warnings[0], warnings
+    _, _, warnings = lq.validate_config({"defaults": {"colour": 1}})
+    assert "did you mean" not in warnings[0]
+
+
 def test_misplaced_keys_are_ignored_not_applied() -> None:
     """enabled/match in defaults make no passthrough and no group; a queue entry's logFile sets no log."""
     cfg, errors, _ = lq.validate_config({
@@ -413,7 +428,7 @@ ADDRESS_ROWS: List[Tuple[str, Dict[str, Any], str, str, Optional[int]]] = [
     ("url-entry-matches-normalised", {"HTTP://GPU.local:80/v1/": {"maxStreams": 4}}, "http://gpu.local/v1",
      "http://gpu.local/v1", 4),
     ("url-path-keeps-its-case", {"http://gpu.local/v1": {"maxStreams": 4}}, "http://gpu.local/V1",
-     "http://gpu.local/V1", 1),
+     "http://gpu.local/V1/v1", 1),
     ("group-member-normalised", {"g": {"match": ["HTTPS://Gpu.Local:443/v1//"], "maxStreams": 2}},
      "https://gpu.local/v1", "g", 2),
 ]
@@ -453,20 +468,24 @@ def test_address_model_puts_a_provider_in_its_exact_group_before_its_endpoints(
 NORMALISE_ROWS = [
     ("http://h:8001/v1/", "http://h:8001/v1"),
     ("http://h:8001/v1///", "http://h:8001/v1"),
-    ("http://h:8001/", "http://h:8001"),
+    ("http://h:8001/", "http://h:8001/v1"),
+    ("http://h:8001", "http://h:8001/v1"),
+    ("http://h:8001/v1/?x=1", "http://h:8001/v1?x=1"),
+    ("http://h:8001/openai", "http://h:8001/openai/v1"),
     ("HTTP://Gpu.Example:8001/v1", "http://gpu.example:8001/v1"),
     ("http://h:80/v1", "http://h/v1"),
     ("https://h:443/v1", "https://h/v1"),
     ("http://h:443/v1", "http://h:443/v1"),
     ("https://h:80/v1", "https://h:80/v1"),
-    ("http://h/V1/Chat", "http://h/V1/Chat"),
+    ("http://h/V1/Chat", "http://h/V1/Chat/v1"),
     ("http://127.0.0.1:8001/v1", "http://127.0.0.1:8001/v1"),
 ]
 
 
 @pytest.mark.parametrize("url,normal", NORMALISE_ROWS)
 def test_urls_are_normalised_as_the_readme_states(url: str, normal: str) -> None:
-    """Trailing slashes dropped, scheme and host lower-cased, default port dropped, path case kept."""
+    """Trailing slashes dropped, scheme and host lower-cased, default port dropped, path case kept,
+    and a server's root and its ``/v1`` base URL one key (issue 34: one server, one queue)."""
     assert lq.normalize_url(url) == normal
 
 
@@ -590,19 +609,42 @@ def test_reload_an_atomic_rename_save_is_picked_up() -> None:
         wait_max_streams(d, U1, 3)
 
 
-def test_reload_a_half_written_file_is_a_silent_no_op_keeping_the_last_good_config() -> None:
+def config_errors(d: DaemonProc) -> List[str]:
+    with d.peer() as p:
+        reply = p.ask({"op": "status"})
+    return list(reply.get("configErrors") or [])
+
+
+def test_reload_a_file_of_bad_json_keeps_the_last_good_config_and_says_so_once_on_stderr_and_in_status() -> None:
+    """Issue 34: a trailing comma must not look as if it took effect.  The spec's rule stays: the
+    last good config keeps serving.  The file is read once it has settled (the debounce), so the
+    bad JSON is the file as saved: it is said once, and ``status`` carries it until a good save."""
     with daemon(conf(queues={U1: {"maxStreams": 2}})) as d:
         expect_grant(acquire(d, U1, "A"), U1, "A")
+        assert config_errors(d) == []
         with open(d.config_path, "w") as f:  # an in-place, non-atomic save caught half way
             f.write('{"defaults": {"daemonIdleExitMs": 1000000000}, "queues": {"' + U1 + '": {"maxStr')
-        time.sleep(SETTLE_S)
+        wait_for(lambda: "not valid JSON" in d.stderr(), RELOAD_S)
+        errors = wait_for(lambda: config_errors(d), RELOAD_S)
+        assert any("not valid JSON" in e and d.config_path in e for e in errors), errors
+        assert any("keeping the last good config" in e for e in errors), errors
         q = queue_of(d, U1)
         assert q is not None and q["maxStreams"] == 2
         expect_grant(acquire(d, U1, "B"), U1, "B")  # the second slot of the last good config
-        assert d.stderr() == ""
+        time.sleep(SETTLE_S)
+        assert d.stderr().count("not valid JSON") == 1  # once, not every poll
         d.write_config(conf(queues={U1: {"maxStreams": 4}}))  # and the watch still works afterwards
         wait_max_streams(d, U1, 4)
-        assert d.stderr() == ""
+        assert config_errors(d) == []
+
+
+def test_startup_with_a_file_of_bad_json_serves_defaults_and_says_so_in_status() -> None:
+    with DaemonProc() as d:
+        with open(d.config_path, "w") as f:
+            f.write('{"defaults": {"maxStreams": 2,}}')  # a trailing comma
+        d.start()
+        assert "not valid JSON" in d.stderr()
+        assert any("serving with defaults" in e for e in config_errors(d))
 
 
 def test_reload_a_config_with_errors_is_reported_by_path_on_stderr_and_the_last_good_config_stays() -> None:
@@ -630,7 +672,7 @@ def test_startup_without_a_config_file_is_all_defaults_silently() -> None:
         assert b.silent(0.2)
         q = queue_of(d, U1)
         assert q is not None and q["maxStreams"] == 1 and q["holders"][0]["sessionKey"] == "A"
-        assert d.stderr() == ""
+        assert d.complaints() == ""
 
 
 def test_startup_with_errors_prints_them_on_stderr_and_serves_with_defaults() -> None:
@@ -774,7 +816,7 @@ def test_reload_the_config_directory_removed_is_said_once_and_recovers_when_rest
             a = acquire(d, U1, "A")
             expect_grant(a, U1, "A")
             wait_max_streams(d, U1, 2)
-            assert d.stderr() == ""
+            assert d.complaints() == ""
             shutil.rmtree(cfg_dir)
             wait_for(lambda: cfg_dir in d.stderr(), RELOAD_S)
             time.sleep(SETTLE_S)  # many polls later

@@ -59,9 +59,9 @@ from tests.harness import DaemonProc, Peer, wait_for
 
 CAP = lq.MAX_LINE_BYTES  # 100 KB: the spec's line cap
 assert CAP == 100 * 1024
-SHARED = "http://127.0.0.1:8001/fuzz-shared"
+SHARED = "http://127.0.0.1:8001/fuzz-shared/v1"  # a server's URL in the form status shows
 SHARED_MAX = 2
-BYSTANDER_KEY = "http://127.0.0.1:8001/bystanders"
+BYSTANDER_KEY = "http://127.0.0.1:8001/bystanders/v1"
 TTL_MS = 3_600_000  # no lease lapses during a campaign: the bystanders never beat
 CONFIG: Dict[str, Any] = {"defaults": {"leaseTtlMs": TTL_MS}, "queues": {SHARED: {"maxStreams": SHARED_MAX}}}
 OPS = ("acquire", "release", "cancel", "role", "renew", "status", "bye")
@@ -913,7 +913,7 @@ def run_campaign(d: DaemonProc, n_peers: int, steps: List[Step], rounds: int, ex
         """A connection that holds its own key and queues for the shared one (so there is
         contention from the start: 3-5 connections, 2 shared slots)."""
         fp = FuzzPeer(path, f"e{example}p{slot}g{next(generation)}",
-                      f"http://127.0.0.1:8001/own-{slot}-{len(peers)}-{len(gone)}")
+                      f"http://127.0.0.1:8001/own-{slot}-{len(peers)}-{len(gone)}/v1")
         fp.sock.sendall(fp.valid(6 + slot % 2))  # the shared acquire, as a child or a parent
         return fp
 

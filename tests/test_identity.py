@@ -7,9 +7,10 @@ tier is child when a subagent marker is present.  Per-install and per-device ids
 the key.  Each source can be turned off.  A body that is not JSON, is compressed or is huge is
 read for nothing (its header ids still count).
 
-The captured requests of four agent CLIs (``shared/captures``: their headers and body id fields)
+The captured requests of four agent CLIs (``tests/captures``: their headers and body id fields)
 are replayed: each run and each concurrent session gets a key of its own, a continued or resumed
-run keeps its key, and a subagent is a child keyed by its own id.
+run keeps its key, and a subagent is a child keyed by its own id.  The captures are fixtures of
+the repository: a missing one fails, never skips.
 
 Through a real proxy and daemon: the derived session and tier are what ``status`` shows; a
 conversation with no ids at all keeps one session across its requests (switch-free); a request
@@ -32,7 +33,8 @@ import llmqueue as lq
 from tests.harness import DaemonProc, started, wait_for
 from tests.stub import StubEndpoint
 
-CAPTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "captures")
+CAPTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "captures")
+CAPTURED = ["claude.jsonl", "codex.jsonl", "opencode.jsonl", "pi.jsonl"]  # one file per tool
 CLAUDE_SID = "ba46ab05-6d53-4894-ad12-5f7e254ffb4f"
 DEVICE = "9334438b6f608996d70b06b748b7ee5ede8bad858f669228ddb3aa7a07ba8281"
 
@@ -179,10 +181,11 @@ def test_a_body_that_cannot_be_read_is_anonymous_but_header_ids_still_count() ->
 
 
 def captures() -> List[Dict[str, Any]]:
-    if not os.path.isdir(CAPTURES):
-        pytest.skip(f"no captures at {CAPTURES}")
-    out = []
-    for name in sorted(os.listdir(CAPTURES)):
+    """Every captured request: the rows of ``tests/captures/*.jsonl`` (not its ``bodies/``)."""
+    names = sorted(name for name in os.listdir(CAPTURES) if name.endswith(".jsonl"))
+    assert names == CAPTURED, f"the captures in {CAPTURES} are {names}, not {CAPTURED}"
+    out: List[Dict[str, Any]] = []
+    for name in names:
         with open(os.path.join(CAPTURES, name)) as f:
             out += [json.loads(line) for line in f if line.strip()]
     return out

@@ -460,6 +460,11 @@ def gone_at_once(d: DaemonProc, since: float) -> None:
     assert code == 0, d.stderr()
     assert seen - since <= AT_ONCE, f"exited {seen - since:.3f}s after its last client left: not at once"
     assert not os.path.exists(d.socket_path), "the socket was left behind"
+    # Issue 34: a daemon run by hand says when it serves and why it left, one line each.
+    lines = d.stderr().splitlines()
+    assert lines[0].startswith(f"llmqueue: serving on {d.socket_path}; it exits"), lines
+    assert "clients start it on demand" in lines[0], lines
+    assert lines[-1].startswith("llmqueue: no client for a while: exiting"), lines
 
 
 @pytest.mark.parametrize("name, op, answered", COUNTED_OPS, ids=[n for n, _, _ in COUNTED_OPS])

@@ -199,7 +199,7 @@ def test_where_switches_are_dear_a_parent_keeps_its_window_from_a_waiting_parent
         try:
             # one request first: its usage report's reply tells the proxy what a switch costs
             waited = handover_after(stub, d, p, "tool_calls", warmup=[0.3], waiter="/v1/chat/completions")
-            assert p.proxy.client.switch_cost(stub.base) == "dear"
+            assert p.proxy.client.switch_cost(p.proxy.queue_key) == "dear"
             assert GRACE_MS / 1000 - 0.5 < waited < GRACE_MS / 1000 + 3  # a re-prefill saved
             assert d.queue(stub.base)["handbackYields"] == 0
         finally:

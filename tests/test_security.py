@@ -180,7 +180,7 @@ def test_max_streams_2147483647_works_and_grants_many_sessions_at_once() -> None
             assert granted(p.ask(acquire_msg(K, f"s{i}")), K, f"s{i}")
         q = d.queue(K)
         assert q["maxStreams"] == INT31 and len(q["holders"]) == 50 and q["waiting"] == []
-        assert d.stderr() == ""
+        assert d.complaints() == ""
         assert_healthy(d, {f"s{i}" for i in range(50)})
 
 
@@ -236,7 +236,7 @@ def test_lease_ttl_2147483647_is_granted_as_such_and_does_not_lapse() -> None:
         assert granted(reply, K, "A") and reply["leaseTtlMs"] == INT31, reply
         time.sleep(0.3)  # many sweeps
         assert p.ask({"op": "renew", "queueKey": K, "sessionKey": "A"})["granted"] is True
-        assert d.holders(K) == ["A"] and d.stderr() == ""
+        assert d.holders(K) == ["A"] and d.complaints() == ""
         assert_healthy(d, {"A"})
 
 
@@ -249,7 +249,7 @@ def test_a_daemon_idle_exit_past_the_timer_cap_is_clamped_not_an_immediate_exit(
         wait_for(lambda: d.holders(K) == [])  # the last counted client has left
         time.sleep(0.3)
         assert d.alive(), f"exited with {d.proc.poll() if d.proc else None}: {d.stderr()}"
-        assert d.stderr() == ""
+        assert d.complaints() == ""
         assert_healthy(d, set())
 
 

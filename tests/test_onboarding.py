@@ -1,0 +1,365 @@
+"""A new user's first minutes (issue 34): one queue per server whatever the form of its URL, only
+model calls take a slot, two identical conversations never share a grant, and a command line that
+says what to do.
+
+Pinned through the socket, the proxy and the command line:
+
+- a server named with or without ``/v1``, with or without a trailing slash, is one queue: a holder
+  from one form (a raw peer, ``llmqueue run``, the proxy, a models.json provider) holds back a
+  waiter from another; a config entry keyed by either form applies;
+- ``--upstream .../v1`` forwards ``/v1/chat/completions`` to ``/v1/chat/completions``;
+- ``HEAD /``, ``GET /v1/models``, ``/health``, ``/props`` and token counting pass through while
+  the slot is held, with no slot, no switch and no count;
+- two concurrent requests of one fingerprint-keyed conversation never run under one grant;
+- ``--verbose`` lines carry the time, the response status and the duration;
+- messages that name the problem and the fix: ``--help`` lists the subcommands, a typo gets
+  "did you mean", ``run`` without ``--``, a taken ``--listen`` address, ``--fail-closed``, an
+  agent dir that cannot be made, ``report`` with no log or a missing one;
+- ``--version`` on every subcommand; ``LLMQUEUE_DIR`` before ``PI_CODING_AGENT_DIR``;
+- ``proxy --log FILE`` makes its queue report-ready with no config file.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+
+import llmqueue as lq
+from tests.harness import MODULE, DaemonProc, Peer, short_tmpdir, started, wait_for
+from tests.stub import StubEndpoint
+from tests.test_proxy import RunningProxy
+
+SERVER = "http://127.0.0.1:8080"
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProc]:
+    yield from started(config={"defaults": {"agingAfterSlots": 0, "agingAfterMs": 0}})
+
+
+def run_cli(*args: str, timeout: float = 30, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, MODULE, *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, **kwargs)
+
+
+def acquire(d: DaemonProc, key: str, session: str) -> Peer:
+    p = d.peer()
+    p.send({"op": "acquire", "queueKey": key, "sessionKey": session, "role": "parent"})
+    return p
+
+
+# -- one server, one queue ------------------------------------------------------------------------
+
+FORMS = [SERVER, SERVER + "/", SERVER + "/v1", SERVER + "/v1/"]
+
+
+@pytest.mark.parametrize("holder_form,waiter_form", [
+    (a, b) for a in FORMS for b in FORMS if a != b and (a.rstrip("/").endswith("/v1") != b.rstrip("/").endswith("/v1")
+                                                         or a.endswith("/") != b.endswith("/"))])
+def test_a_holder_under_one_form_of_a_servers_url_holds_back_a_waiter_under_another(
+        daemon: DaemonProc, holder_form: str, waiter_form: str) -> None:
+    a = acquire(daemon, holder_form, "A")
+    granted = a.recv()
+    assert granted["op"] == "granted" and granted["queueKey"] == holder_form  # the key it asked with
+    b = acquire(daemon, waiter_form, "B")
+    assert b.silent(0.2)  # one queue: B waits behind A
+    assert daemon.waiting(SERVER) == ["B"]
+    a.send({"op": "release", "queueKey": holder_form, "sessionKey": "A"})
+    reply = b.recv()
+    assert reply["op"] == "granted" and reply["queueKey"] == waiter_form
+    assert [q["queueKey"] for q in daemon.status()] == [SERVER + "/v1"]  # shown in one form
+
+
+@pytest.mark.parametrize("entry_form", [SERVER, SERVER + "/v1"])
+def test_a_config_entry_keyed_by_either_form_applies_to_both(entry_form: str) -> None:
+    for d in started(config={"queues": {entry_form: {"maxStreams": 2}}}):
+        a, b, c = acquire(d, SERVER, "A"), acquire(d, SERVER + "/v1/", "B"), acquire(d, SERVER + "/v1", "C")
+        assert a.recv()["op"] == "granted" and b.recv()["op"] == "granted"  # two slots, from the entry
+        assert c.silent(0.2)
+
+
+def test_a_models_json_provider_with_v1_and_a_client_without_it_share_a_queue() -> None:
+    """pi's catalog keys its providers' baseUrl with ``/v1``; a script names the bare server."""
+    for d in started(models={"providers": {"llama": {"baseUrl": SERVER + "/v1", "models": []}}}):
+        a = acquire(d, "llama", "A")
+        assert a.recv()["op"] == "granted"
+        b = acquire(d, SERVER, "B")
+        assert b.silent(0.2) and d.waiting(SERVER) == ["B"]
+
+
+def test_llmqueue_run_on_the_bare_server_holds_back_the_proxy_on_its_v1_url(
+        stub: StubEndpoint, daemon: DaemonProc) -> None:
+    """The issue's case: a ``run`` job held the slot, and a request through the proxy did not wait."""
+    marker = os.path.join(daemon.agent_dir, "go")
+    job = subprocess.Popen([sys.executable, MODULE, "run", "--agent-dir", daemon.agent_dir, "--queue", stub.base,
+                            "--session", "job", "--", sys.executable, "-c",
+                            f"import os, time\nwhile not os.path.exists({marker!r}): time.sleep(0.01)"],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: daemon.holders(stub.base) == ["job"], 10)
+        p = RunningProxy(stub.url, daemon.agent_dir)  # the upstream as its OpenAI base URL
+        try:
+            done: List[int] = []
+            t = threading.Thread(target=lambda: done.append(post(p.port, chat_body("hello"))[0]))
+            t.start()
+            wait_for(lambda: len(daemon.waiting(stub.base)) == 1)
+            assert not done and not [r for r in stub.records if r["path"] != "/props"]  # it waits for the job
+            open(marker, "w").close()
+            t.join(30)
+            assert done == [200]
+            assert [r["path"] for r in stub.records if r["path"] != "/props"] == ["/v1/chat/completions"]
+        finally:
+            p.close()
+    finally:
+        open(marker, "w").close()
+        assert job.wait(30) == 0, job.stderr.read() if job.stderr else ""
+        if job.stderr:
+            job.stderr.close()
+
+
+# -- the proxy ------------------------------------------------------------------------------------
+
+
+def chat_body(first: str, who: Optional[str] = None) -> bytes:
+    """A conversation's opening request; ``who`` (the body's ``user``) names the stub's record and
+    keys the proxy's session by it, else the conversation's fingerprint does."""
+    body: Dict[str, Any] = {"model": "m", "stream": True,
+                            "messages": [{"role": "system", "content": "be terse"}, {"role": "user", "content": first}]}
+    if who is not None:
+        body["user"] = who
+    return json.dumps(body).encode()
+
+
+def post(port: int, body: bytes, path: str = "/v1/chat/completions", headers: Optional[Dict[str, str]] = None,
+         method: str = "POST") -> Tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=body or None,
+                     headers=dict({"Content-Type": "application/json"}, **(headers or {})))
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_an_upstream_given_as_its_v1_url_is_forwarded_each_path_once(stub: StubEndpoint, daemon: DaemonProc) -> None:
+    p = RunningProxy(stub.url, daemon.agent_dir, identity=())
+    try:
+        assert post(p.port, chat_body("hi"))[0] == 200
+        assert post(p.port, b"", "/v1/models", method="GET")[0] == 200
+        assert post(p.port, b"", "/health", method="GET")[0] == 200
+    finally:
+        p.close()
+    paths = [r["path"] for r in stub.records if r["path"] != "/props"]
+    assert paths == ["/v1/chat/completions", "/v1/models", "/v1/health"], paths
+
+
+def test_requests_that_are_no_model_call_pass_straight_through_while_the_slot_is_held(
+        stub: StubEndpoint, daemon: DaemonProc) -> None:
+    """``HEAD /`` (Claude Code, before each run), the model list, health, props and token counting
+    neither wait for the slot nor take one, nor count as a switch."""
+    p = RunningProxy(stub.base, daemon.agent_dir, grace_ms=50)
+    try:
+        holder = threading.Thread(target=post, args=(p.port, chat_body("hold", "slow-H"), "/s/H/parent/v1/chat/completions"))
+        holder.start()
+        wait_for(lambda: stub.started("slow-H"))
+        before = daemon.queue(stub.base)
+        for method, path in [("HEAD", "/"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/props"),
+                             ("POST", "/v1/messages/count_tokens")]:
+            body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}' if method == "POST" else b""
+            status, _ = post(p.port, body, path, {"X-Who": "counting"}, method=method)
+            assert status == 200, (method, path)
+            assert daemon.waiting(stub.base) == [] and daemon.holders(stub.base) == ["H"], (method, path)
+        after = daemon.queue(stub.base)
+        assert (after["switches"], after["grants"]) == (before["switches"], before["grants"])
+        assert not stub.record("slow-H")["end"]  # all of it while H streamed
+        stub.let_slow_finish()
+        holder.join(30)
+    finally:
+        p.close()
+    assert lq.model_call("POST", "/v1/chat/completions") and lq.model_call("POST", "/v1/messages?beta=true")
+    assert lq.model_call("POST", "/v1/responses") and lq.model_call("POST", "/api/chat")
+    assert not lq.model_call("GET", "/v1/chat/completions") and not lq.model_call("POST", "/tokenize")
+
+
+def test_two_identical_conversations_with_nothing_named_never_share_a_grant(
+        stub: StubEndpoint, daemon: DaemonProc) -> None:
+    """Two runs of one prompt in one folder fingerprint alike: the second concurrent request is a
+    session of its own, so it waits on a one-slot server instead of running beside the first."""
+    p = RunningProxy(stub.base, daemon.agent_dir, grace_ms=50)
+    try:
+        body = chat_body("the same task")  # nothing named: the fingerprint keys both
+        first = threading.Thread(target=post, args=(p.port, body, "/v1/chat/completions", {"X-Who": "slow-1"}))
+        first.start()
+        wait_for(lambda: stub.started("slow-1"))
+        done: List[int] = []
+        second = threading.Thread(target=lambda: done.append(
+            post(p.port, body, "/v1/chat/completions", {"X-Who": "two"})[0]))
+        second.start()
+        wait_for(lambda: len(daemon.waiting(stub.base)) == 1)
+        (holder,) = daemon.holders(stub.base)
+        assert holder.startswith("conv:") and daemon.waiting(stub.base)[0] != holder
+        assert not stub.started("two")  # not on the server beside the first
+        stub.let_slow_finish()
+        first.join(30)
+        second.join(30)
+        assert done == [200]
+        one, two = stub.record("slow-1"), stub.record("two")
+        assert one is not None and two is not None and one["end"] <= two["start"]
+    finally:
+        p.close()
+
+
+def test_verbose_lines_carry_the_time_the_status_and_the_duration(stub: StubEndpoint, daemon: DaemonProc) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, MODULE, "proxy", "--agent-dir", daemon.agent_dir, "--upstream", stub.base,
+                             "--listen", f"127.0.0.1:{port}", "--verbose"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def up() -> bool:
+            try:
+                return post(port, b"", "/health", method="GET")[0] == 200
+            except OSError:
+                return False
+
+        wait_for(up, 10)
+        assert post(port, chat_body("hi"))[0] == 200
+        assert post(port, b"", "/v1/nothing-here", method="GET")[0] == 200  # the stub answers every GET
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    stamp = r"^\d\d:\d\d:\d\d\.\d{3} "
+    assert re.search(stamp + r"POST /v1/chat/completions -> 200 in \d+\.\d\d s, session ", err, re.M), err
+    assert re.search(stamp + r"GET /health -> 200 in \d+\.\d\d s, passed through", err, re.M), err
+
+
+def test_a_taken_listen_address_is_named_with_the_flag_that_picks_another(daemon: DaemonProc) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = run_cli("proxy", "--agent-dir", daemon.agent_dir, "--upstream", SERVER, "--listen", f"127.0.0.1:{port}")
+    assert out.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}: the address is in use" in out.stderr, out.stderr
+    assert "--listen" in out.stderr
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+
+def test_help_lists_the_subcommands() -> None:
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for name in ("proxy", "run", "status", "report", "check-config", "daemon"):
+        assert re.search(rf"^  {name}\s+\S", out.stdout, re.M), (name, out.stdout)
+
+
+@pytest.mark.parametrize("typo,meant", [("stauts", "status"), ("prxy", "proxy"), ("reprot", "report")])
+def test_an_unknown_subcommand_gets_did_you_mean(typo: str, meant: str) -> None:
+    out = run_cli(typo)
+    assert out.returncode == 2
+    assert f"unknown command '{typo}' (did you mean {meant}?)" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("command", ["daemon", "status", "run", "proxy", "report", "check-config"])
+def test_every_subcommand_tells_its_version(command: str) -> None:
+    out = run_cli(command, "--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"llmqueue {lq.__version__}", out
+    assert run_cli("--version").stdout.strip() == f"llmqueue {lq.__version__}"
+
+
+def test_run_without_the_double_dash_shows_where_the_command_goes() -> None:
+    out = run_cli("run", "--queue", SERVER, "echo", "hi")
+    assert out.returncode == 2
+    assert f"put the command after --: llmqueue run --queue {SERVER} -- echo hi" in out.stderr, out.stderr
+
+
+def test_fail_closed_says_the_command_was_not_run_and_why_it_exits_75() -> None:
+    d = short_tmpdir()
+    blocker = os.path.join(d, "a-file")
+    open(blocker, "w").close()
+    marker = os.path.join(d, "ran")
+    out = run_cli("run", "--agent-dir", os.path.join(blocker, "agent"), "--queue", SERVER, "--fail-closed",
+                  "--", "touch", marker)
+    assert out.returncode == 75 and not os.path.exists(marker)
+    assert "the command was not run" in out.stderr and "75" in out.stderr, out.stderr
+    # the agent dir that cannot be made is named, with the way out
+    assert f"cannot create or write {os.path.join(blocker, 'agent')}" in out.stderr, out.stderr
+    assert "--agent-dir" in out.stderr and "LLMQUEUE_DIR" in out.stderr
+
+
+def test_llmqueue_dir_comes_before_pis_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PI_CODING_AGENT_DIR", "/pi/dir")
+    monkeypatch.setenv("LLMQUEUE_DIR", "/lq/dir")
+    assert lq.default_agent_dir() == "/lq/dir"
+    monkeypatch.delenv("LLMQUEUE_DIR")
+    assert lq.default_agent_dir() == "/pi/dir"
+    monkeypatch.delenv("PI_CODING_AGENT_DIR")
+    assert lq.default_agent_dir() == os.path.join(os.path.expanduser("~"), ".pi", "agent")
+
+
+def test_a_daemon_found_through_llmqueue_dir_serves_the_cli() -> None:
+    for d in started():
+        env = dict(os.environ, LLMQUEUE_DIR=d.agent_dir, PI_CODING_AGENT_DIR="/nonexistent")
+        out = run_cli("status", "--json", env=env)
+        assert out.returncode == 0 and json.loads(out.stdout)["op"] == "status", out.stderr
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+def test_report_with_no_log_says_how_to_turn_one_on() -> None:
+    d = short_tmpdir()
+    out = run_cli("report", "--agent-dir", d)
+    assert out.returncode == 1
+    assert "no event log" in out.stderr and "logFile" in out.stderr and "--log FILE" in out.stderr, out.stderr
+
+
+def test_report_of_a_missing_file_names_the_path_and_the_setting() -> None:
+    missing = os.path.join(short_tmpdir(), "gone.log")
+    out = run_cli("report", missing)
+    assert out.returncode == 1
+    assert f"{missing}: no such file" in out.stderr and "logFile" in out.stderr, out.stderr
+
+
+def test_proxy_log_makes_its_queue_report_ready_with_no_config_file(stub: StubEndpoint) -> None:
+    agent_dir = short_tmpdir()
+    log = os.path.join(agent_dir, "events.log")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, MODULE, "proxy", "--agent-dir", agent_dir, "--upstream", stub.base,
+                             "--listen", f"127.0.0.1:{port}", "--log", log],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def answered() -> bool:
+            try:
+                return post(port, chat_body("hi"))[0] == 200
+            except OSError:
+                return False
+
+        wait_for(answered, 10)
+        assert not os.path.exists(os.path.join(agent_dir, "llm-queue.json"))
+        wait_for(lambda: os.path.exists(log) and '"event":"grant"' in open(log).read(), 10)
+        out = run_cli("report", "--agent-dir", agent_dir, "--json")  # no file named: the daemon's
+        assert out.returncode == 0, out.stderr
+        (queue,) = json.loads(out.stdout)["queues"].values()
+        assert queue["grants"] >= 1
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+        sock = os.path.join(agent_dir, "llm-queue.sock")
+        wait_for(lambda: not os.path.exists(sock), 10)  # the daemon it started exits with it
+    assert "logs to" not in err, err
