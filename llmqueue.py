@@ -143,6 +143,10 @@ POLICIES = ("priority-aging", "fifo")
 # session back on the slot after another finds its context kept, or not); "cheap" (the server
 # keeps every context: a large host cache, a slot per agent) or "dear" says it.
 SWITCH_COSTS = ("auto", "cheap", "dear")
+# Who decides when an idle slot someone waits for is handed over: "rules", the rules this queue
+# grew one trace at a time (the default, until the cost rule has beaten them on every workload);
+# "cost", issue 33's one rule (``HoldCost``): hand over once the idle time reaches the switch's cost.
+HOLD_RULES = ("rules", "cost")
 KEPT_CHEAP = 0.8  # the share of its context each session back after a switch must find kept
 KEPT_SAMPLES = 4  # the most recent returns that must all have (at least 2 of them)
 # A return's depth: how many other sessions used the slot since the session's own last request.
@@ -158,6 +162,13 @@ MAX_DEPTH = 64
 # subagents: without it every turn re-prefilled the person's whole conversation.
 THINK_DEFAULT_MS = 30_000
 THINK_MAX_MS = 120_000
+# Issue 33's cost model (computed beside the rules in force, shown in status and logged): the
+# server's prefill rate where it has reported no prefill time yet.  The order of a CPU's (the
+# project's 2-core llama-server prefills ~540 tokens/s); it prices a switch only until the
+# server's own timings (``prefillMs`` on the usage op) replace it, from the first report.
+ASSUMED_PREFILL_TPS = 500.0
+RATE_SAMPLES = 8  # the latest reports with a prefill time that make a queue's measured rate
+MAX_PREFILL_MS = 86_400_000.0  # a day: a reported prefill time past this is no time
 STATE_FILE = "llm-queue-state.json"  # in the agent dir: what a switch costs, learned, for the next daemon
 STATE_KEEP_S = 7 * 24 * 3600.0  # a queue's learned switch cost older than this is forgotten
 
@@ -217,6 +228,7 @@ class QueuePolicy(NamedTuple):
     idle_yield_ms: int = 30000
     switch_cost: str = "auto"
     parent_streams: int = 1  # spare streams beyond max_streams, for parents that ask for one
+    hold_rule: str = "rules"  # who decides an idle slot's hand-over: "rules" (today's), "cost" (issue 33)
 
 
 DEFAULT_POLICY = QueuePolicy(max_streams=1)
@@ -231,6 +243,7 @@ _POLICY_FIELDS: Dict[str, Tuple[str, str]] = {
     "idleYieldMs": ("idle_yield_ms", "idle"),
     "switchCost": ("switch_cost", "switch"),
     "parentStreams": ("parent_streams", "nonneg"),
+    "holdRule": ("hold_rule", "hold"),
 }
 _CLIENT_FIELDS = ("failOpen", "queueTimeoutMs", "blockingTools")
 _DAEMON_FIELDS = ("daemonIdleExitMs", "logFile")
@@ -294,6 +307,10 @@ def _check_field(path: str, rule: str, value: Any, errors: list[str]) -> bool:
     elif rule == "switch":
         if value not in SWITCH_COSTS:
             errors.append(f"{path} must be one of {', '.join(SWITCH_COSTS)} {got}")
+            return False
+    elif rule == "hold":
+        if value not in HOLD_RULES:
+            errors.append(f"{path} must be one of {', '.join(HOLD_RULES)} {got}")
             return False
     elif rule == "policy":
         if value not in POLICIES:
@@ -438,6 +455,13 @@ def validate_config(raw: Any) -> tuple[Config, list[str], list[str]]:
             policy = policy._replace(max_streams=None)
         entries.append(QueueEntry(name, policy, enabled, match))
 
+    servers: dict[str, str] = {}
+    for entry in entries:  # two spellings of one server (with and without /v1) are one queue
+        if entry.match is None and _is_url(entry.name):
+            first = servers.setdefault(normalize_url(entry.name), entry.name)
+            if first != entry.name:
+                warnings.append(f"queues.{entry.name} names the same server as queues.{first} "
+                                f"({normalize_url(entry.name)}): only the first applies")
     config = Config(defaults=defaults, queues=tuple(entries), schema_version=schema, **fields)
     return config, errors, warnings
 
@@ -537,7 +561,9 @@ def decode_state(raw: bytes, wall: float) -> tuple[dict[str, list[float]], dict[
             continue
         good = [float(s) for s in shares[-KEPT_SAMPLES:]
                 if isinstance(s, (int, float)) and not isinstance(s, bool) and 0.0 <= s <= 1.0]
-        if good:
+        # a file from before one key named both forms of a server: the latest of the two stands
+        key = normalize_url(key)
+        if good and at.get(key, float("-inf")) <= when:
             kept[key] = good
             at[key] = float(when)
             deep, contexts = entry.get("depths"), _count(entry.get("contexts"))
@@ -647,9 +673,10 @@ def normalize_url(url: str) -> str:
     if port and _DEFAULT_PORTS.get(scheme) == port:
         port = ""
     authority = f"{userinfo}{at}{host}{':' + port if port else ''}"
+    tail = tail.partition("#")[0]  # a fragment never reaches the server
     path, qmark, query = tail.partition("?")
     path = path.rstrip("/")
-    if not path.endswith("/v1"):
+    if scheme in ("http", "https") and not path.lower().endswith("/v1"):
         path += "/v1"
     return f"{scheme}://{authority}{path}{qmark}{query}"
 
@@ -810,7 +837,13 @@ class LeaseTerms(NamedTuple):
 #     child ahead of parents, it never rewrites a tier; ``fifo`` ignores tiers;
 #   - a grant of a queued waiter is a Switch; a direct grant into a free slot is not;
 #   - a holder is only ever removed by release, cancel, disconnect, TTL lapse, idle yield, or
-#     -- when it said it is parked (waiting on another agent) -- by a waiter's arrival.
+#     -- when it said it is parked (waiting on another agent) -- by a waiter's arrival;
+#   - one rule for an idle slot (issue 33, ``HoldCost``): a holder with nothing in flight that
+#     someone waits for keeps its slot while the waiters' time spent is below what a switch costs
+#     (the re-prefill, at the server's measured rate, of the contexts still in use that the
+#     waiter's run pushes out), and hands it over then: at most twice the hindsight's best (ski
+#     rental).  Nothing known of the contexts' sizes: kept, to the idle-yield.  It decides where
+#     ``holdRule`` is ``cost``; elsewhere the rules below decide and it is shown beside them.
 # Costs: every operation is O(log n) in waiters and holders (heaps with lazy deletion), except
 # ``status`` (linear in what it reports) and ``reconfigure`` (a rebuild).
 # =================================================================================================
@@ -973,6 +1006,7 @@ class Released(NamedTuple):
     queue_key: str
     holder: Holder
     reason: str
+    cost: Optional[HoldCost] = None  # a hand-over to a waiter (parked, handback): issue 33's rule then
 
 
 class Evicted(NamedTuple):
@@ -1013,6 +1047,7 @@ class Usage(NamedTuple):
     kept: Optional[float] = None  # back on the slot after another session: the share of its context kept
     switch_cost: str = "unknown"  # the queue's switches as of this report: cheap, dear, unknown
     depth: Optional[int] = None  # with ``kept``: how many other sessions had used the slot meanwhile
+    prefill_ms: Optional[float] = None  # how long the server took to prefill ``prefilled`` (``prefillMs``)
 
 
 def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional[Sequence[str]] = None,
@@ -1078,7 +1113,7 @@ class _Affinity:
     share kept by each return after a switch, and at what depth."""
 
     __slots__ = ("last", "prompts", "kept", "back", "depths", "contexts", "floor", "returns", "probed",
-                 "probed_at", "prober")
+                 "probed_at", "prober", "rates")
 
     def __init__(self) -> None:
         self.last: Optional[str] = None
@@ -1098,6 +1133,19 @@ class _Affinity:
         self.probed = -1
         self.probed_at = 0.0
         self.prober: Optional[str] = None  # the session that gave way then: its return tells
+        # the server's prefill, as it timed it: (tokens, ms) of the latest reports that said both
+        self.rates: deque[tuple[int, float]] = deque(maxlen=RATE_SAMPLES)
+
+    def timed(self, prefilled: int, prefill_ms: Optional[float]) -> None:
+        """A report's prefill time (``prefillMs``): how fast the server prefills, measured."""
+        if prefill_ms is not None and prefilled > 0:
+            self.rates.append((prefilled, prefill_ms))
+
+    def ms_per_token(self) -> Optional[float]:
+        """The server's prefill time per token over its latest timed reports (None: none yet).
+        Each report's fixed overhead counts in: a slightly dearer switch, never a cheaper one."""
+        tokens = sum(t for t, _ in self.rates)
+        return sum(ms for _, ms in self.rates) / tokens if tokens else None
 
     def report(self, session: str, prefilled: int, reused: int,
                one_slot: bool = True, whole: bool = True) -> tuple[Optional[float], int]:
@@ -1169,6 +1217,93 @@ class _Affinity:
         return (depths if self.cost() != "unknown" else depths[-1:]), self.contexts
 
 
+class HoldCost(NamedTuple):
+    """Issue 33's rule for an idle slot that someone waits for, in the server's own time: handing
+    it over makes the server re-prefill ``tokens`` of contexts still in use, which the waiter's run
+    pushes out of what the server keeps (the holder's own, or another's), for ``switch_ms``;
+    keeping it costs the waiters' time: ``waited_ms``, each waiter's wait within the idle spell,
+    added up (``idle_ms``, the slot's idle time while someone waited, where it is not given).  The
+    rule (ski rental): hand over once the waiting spent reaches the switch's cost, and at once
+    where the switch is free.  Whatever the gap, that spends at most twice what the best choice in
+    hindsight would have.  ``switch_ms`` None: nothing is known of the contexts' sizes (no usage
+    reported), and the seed's rule stands: the slot is kept to the idle-yield.  ``measured``:
+    priced at the server's own prefill rate, else at ``ASSUMED_PREFILL_TPS``.  The rules in force
+    decide, unless the queue's ``holdRule`` is ``cost``; either way ``status`` shows it, and the
+    log's hand-overs and dead spells carry it."""
+
+    idle_ms: float
+    tokens: Optional[int]
+    switch_ms: Optional[float]
+    measured: bool
+    why: str
+    waited_ms: Optional[float] = None
+
+    @property
+    def spent_ms(self) -> float:
+        return self.idle_ms if self.waited_ms is None else self.waited_ms
+
+    @property
+    def hand_over(self) -> bool:
+        return self.switch_ms is not None and self.spent_ms >= self.switch_ms
+
+    def fields(self) -> dict[str, Any]:
+        """The figures for a log line or a status entry."""
+        out: dict[str, Any] = {"idleMs": round(self.idle_ms), "waitedMs": round(self.spent_ms),
+                               "switchTokens": self.tokens,
+                               "switchMs": None if self.switch_ms is None else round(self.switch_ms),
+                               "measured": self.measured, "rule": "hand over" if self.hand_over else "keep"}
+        return out
+
+    def explain(self) -> str:
+        """The two sides, in a person's words."""
+        idle = f"idle {self.idle_ms / 1000:.1f} s so far"
+        if self.waited_ms is not None and round(self.waited_ms / 100) != round(self.idle_ms / 100):
+            idle += f", {self.waited_ms / 1000:.1f} s of waiting"
+        if self.switch_ms is None:
+            return f"keeping: {self.why}; {idle}"
+        if self.tokens == 0:
+            return f"handing over: switching re-prefills nothing ({self.why}); {idle}"
+        price = "" if self.measured else f", at an assumed {ASSUMED_PREFILL_TPS:.0f} tokens/s"
+        verdict = "handing over" if self.hand_over else "keeping"
+        return (f"{verdict}: switching would re-prefill {_tokens(self.tokens or 0)} tokens, about "
+                f"{self.switch_ms / 1000:.1f} s{price} ({self.why}); {idle}")
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+
+
+def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: Optional[str],
+              in_use: Callable[[str], bool], idle_ms: float) -> HoldCost:
+    """What handing ``holder``'s idle slot to ``waiter`` costs (``HoldCost``), from the queue's
+    switch record: each session's context size (its last prompt), the contexts the server keeps
+    (``_Affinity.contexts``, learned from the returns), and its prefill rate.  ``in_use``: whether
+    a session's context will be needed again.  Pure."""
+    cost = affinity.cost(setting) if affinity is not None else switch_cost((), setting)
+    rate = affinity.ms_per_token() if affinity is not None else None
+    measured = rate is not None
+    per_token = rate if rate is not None else 1000.0 / ASSUMED_PREFILL_TPS
+    if cost == "cheap":
+        return HoldCost(idle_ms, 0, 0.0, measured, "the server keeps the contexts of sessions that step away")
+    prompts = affinity.prompts if affinity is not None else {}
+    if holder not in prompts:
+        return HoldCost(idle_ms, None, None, False, "no context sizes reported, so a switch is dear")
+    room = affinity.contexts if affinity is not None else None
+    if room is None:  # no eviction seen: nothing says how much the server keeps
+        tokens = prompts[holder]
+        why = "what the server keeps is not known yet: the holder's context is assumed pushed out"
+    else:
+        assert affinity is not None
+        order = [s for s in affinity.resident(room) if s != waiter]  # kept now, the latest first
+        if waiter is not None:
+            order.insert(0, waiter)
+        pushed = [s for s in order[room:] if in_use(s)]
+        tokens = sum(prompts.get(s, 0) for s in pushed)
+        why = (f"the server keeps {room} context{'s' if room != 1 else ''}: the waiter's run pushes out "
+               f"{len(pushed)} still in use")
+    return HoldCost(idle_ms, tokens, tokens * per_token, measured, why)
+
+
 class Dead(NamedTuple):
     """A holder's dead spell, at its end: ``ms`` of it the slot was held with no request of the
     holder in flight (it said ``busy: false``, or parked, or went silent until an idle yield
@@ -1178,6 +1313,7 @@ class Dead(NamedTuple):
     session: str
     role: int
     ms: float
+    cost: Optional[HoldCost] = None  # issue 33's rule at the spell's end: what a hand-over would have cost
 
 
 Event = Union[Granted, Queued, Dequeued, Released, Evicted, Moved, OverCapacity, Usage, Dead]
@@ -1616,10 +1752,12 @@ class Scheduler:
             self._refresh(holder, now, activity=False)
         return len(leases)
 
-    def usage(self, key: str, session: str, prefilled: int, reused: int, whole: bool = True) -> Usage:
+    def usage(self, key: str, session: str, prefilled: int, reused: int, whole: bool = True,
+              prefill_ms: Optional[float] = None) -> Usage:
         """A request's token counts (the additive ``usage`` op): added to the queue's running
         totals (``status``), and logged tied to the grant the session holds there, if any.
-        ``whole``: both counts were given, so together they are the whole prompt."""
+        ``whole``: both counts were given, so together they are the whole prompt.  ``prefill_ms``:
+        how long the server took to prefill ``prefilled`` (its own timing): its prefill rate."""
         resolved = self.addressing.address_endpoint(key)[0]
         q = self._queues.get(resolved)
         holder = q.holder_for(key, session) if q else None
@@ -1636,9 +1774,10 @@ class Scheduler:
         policy = q.policy if q else self.addressing.address_endpoint(key)[1]
         one_slot = policy.max_streams == 1 and not (q and q.spares)
         kept, depth = affinity.report(session, prefilled, reused, one_slot, whole)
+        affinity.timed(prefilled, prefill_ms)
         setting = policy.switch_cost
         return Usage(resolved, session, prefilled, reused, holder.seq if holder else None, kept,
-                     affinity.cost(setting), depth if kept is not None else None)
+                     affinity.cost(setting), depth if kept is not None else None, prefill_ms)
 
     def _affinity_of(self, key: str) -> _Affinity:
         """The switch record of queue ``key``, made if new, as the most recently used."""
@@ -1704,6 +1843,10 @@ class Scheduler:
             self._busy(holder, now)
         elif busy is False:
             self._idle(holder, now)
+            owner = holder.queue
+            if owner.policy.hold_rule == "cost" and owner.waiting:  # the sweep weighs its slot now
+                self._tick += 1
+                heapq.heappush(self._gap_heap, (now, self._tick, owner))
         return True
 
     def park(self, key: str, session: str, *, now: float, gap: bool = False,
@@ -1894,7 +2037,7 @@ class Scheduler:
         gaps = self._gap_heap
         while gaps and gaps[0][0] <= now:
             _, _, q = heapq.heappop(gaps)
-            if q.waiting and q.parked and self._queues.get(q.key) is q:
+            if q.waiting and (q.parked or q.policy.hold_rule == "cost") and self._queues.get(q.key) is q:
                 self._refill(q, now, events)  # a context it was kept for may be done with now
                 touched.append(q)
         for q in sorted(self._idle_due, key=lambda q: q.key):
@@ -2046,6 +2189,10 @@ class Scheduler:
                     ROLES[tier]: (round(now - w.enqueued_at) if w is not None else 0)
                     for tier, w in enumerate(oldest)
                 }
+                holds = self.holds(q, now)
+                if holds:  # additive: each idle slot someone waits for, and issue 33's rule for it
+                    head["holds"] = [dict(sessionKey=h.session, explain=cost.explain(), **cost.fields())
+                                     for h, cost in holds]
             holders = ",".join([h.json for h in q.holders.values()] + [h.json for h in q.extra])
             waiting = ",".join([w.json for w in q.waiting.values()])
             parts.append(f'{json.dumps(head, separators=(",", ":"))[:-1]},'
@@ -2187,13 +2334,39 @@ class Scheduler:
             return
         dead = now - max(since, min(heads))
         if dead > 0:
+            cost = self._hold_cost(q, holder, now, since)
             holder.dead_ms += dead
             q.dead_ms += dead
             q.dead_by_session[holder.session] = q.dead_by_session.pop(holder.session, 0.0) + dead
             while len(q.dead_by_session) > 64:
                 q.dead_by_session.popitem(last=False)
             if dead >= 1 and len(self._spells) < 4096:  # the caller drains them after every call
-                self._spells.append(Dead(q.key, holder.session, holder.role, dead))
+                self._spells.append(Dead(q.key, holder.session, holder.role, dead, cost))
+
+    def _hold_cost(self, q: _Queue, holder: Holder, now: float, since: Optional[float] = None) -> Optional[HoldCost]:
+        """Issue 33's rule for ``holder``'s slot, idle since ``since`` (its idle spell's start),
+        toward the waiter the queue would grant next; None while nobody waits or it is not idle."""
+        since = holder.idle_since if since is None else since
+        nxt = self._pick(q, now)
+        if since is None or nxt is None:
+            return None
+        heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD)) if w is not None]
+        idle = max(0.0, now - max(since, min(heads)))
+        waited = sum(max(0.0, now - max(since, w.enqueued_at)) for w in q.waiting.values())
+        return hold_cost(self._affinity.get(q.key), q.policy.switch_cost, holder.session, nxt.session,
+                         lambda session: q.in_use(session, now), idle)._replace(waited_ms=waited)
+
+    def holds(self, q: _Queue, now: float) -> list[tuple[Holder, HoldCost]]:
+        """Each idle holder of ``q`` that someone waits for, with issue 33's rule for its slot."""
+        if not q.waiting:
+            return []
+        out = []
+        for holder in q.all_holders():
+            if holder.idle_since is not None and q.frees_for_waiter(holder):
+                cost = self._hold_cost(q, holder, now)
+                if cost is not None:
+                    out.append((holder, cost))
+        return out
 
     def take_dead(self) -> list[Event]:
         """The dead spells that ended since the last call (for the event log)."""
@@ -2245,6 +2418,9 @@ class Scheduler:
         """Grant waiters into free slots, then parked holders hand their slots to waiters,
         oldest parked first, while that grants someone (a queue left over capacity by a reload
         gains nothing from a yield)."""
+        if q.policy.hold_rule == "cost":
+            self._cost_refill(q, now, events)
+            return
         self._fill(q, now, events)
         cost: Optional[str] = None
         probe = False  # while the cost is unknown: no hand-over since the last one waits for a return
@@ -2311,10 +2487,68 @@ class Scheduler:
                     awaited = holder.session
                     if holder.session in record.prompts:  # its return can tell: it queues again first
                         q.may_resume(holder.session)
-            self._drop_lease(holder, Released(q.key, holder, "parked" if holder.parked else "handback"),
-                             events, now)
+            self._drop_lease(holder, Released(q.key, holder, "parked" if holder.parked else "handback",
+                                              self._hold_cost(q, holder, now)), events, now)
             if target is not None and target is not nxt and target.live and q.has_room():
                 self._grant_waiter(q, target, now, events)  # a waiter whose context is kept goes first
+            self._fill(q, now, events)
+
+    def _cost_refill(self, q: _Queue, now: float, events: list[Event]) -> None:
+        """``holdRule: cost``: waiters into free slots in the spec's order, then each idle
+        holder someone waits for goes by issue 33's rule (``HoldCost``): its slot is handed over
+        once its idle time reaches what the switch costs (at once where that is nothing), and
+        the sweep looks again when it will.  The spec's own hand-overs stay as they are: a holder
+        parked on another agent (a blocking tool) yields at once, and a subagent between two
+        requests to a waiting parent.  With nothing known of the contexts' sizes, the seed's rule:
+        an idle holder keeps its slot, to the idle-yield."""
+        self._fill(q, now, events)
+        while q.waiting:
+            nxt = self._pick(q, now)
+            due: Optional[float] = None
+            chosen: Optional[tuple[Holder, Optional[HoldCost]]] = None
+            for holder in q.all_holders():
+                if holder.idle_since is None or not q.frees_for_waiter(holder):
+                    continue
+                if holder.parked and not (holder.gap or holder.turn):
+                    chosen = (holder, self._hold_cost(q, holder, now))  # spec: it waits on another agent
+                    break
+                if holder.handback and holder.role == CHILD and nxt is not None and nxt.role == PARENT:
+                    chosen = (holder, self._hold_cost(q, holder, now))  # spec: a child yields to a parent
+                    break
+                cost = self._hold_cost(q, holder, now)
+                if cost is None or cost.switch_ms is None:
+                    continue  # nothing known: kept, to the idle-yield
+                if cost.hand_over:
+                    chosen = (holder, cost)
+                    break
+                # when the waiting spent reaches the switch's cost, these waiters waiting on
+                starts = [max(holder.idle_since, w.enqueued_at) for w in q.waiting.values()]
+                at = (cost.switch_ms + sum(starts)) / len(starts) if starts else now + cost.switch_ms
+                due = at if due is None else min(due, at)
+            if chosen is None:
+                if due is not None:
+                    self._tick += 1
+                    heapq.heappush(self._gap_heap, (due, self._tick, q))
+                return
+            holder, cost = chosen
+            if holder.parked and not (holder.gap or holder.turn):
+                q.park_yields += 1
+                q.came_back(holder.session)
+                reason = "parked"
+            else:  # between two requests: its context is in use meanwhile, and it queues again
+                q.went_away(holder.session, now, holder.idle_since, holder.persons)
+                if holder.parked:
+                    q.park_yields += 1
+                    reason = "parked"
+                elif holder.handback:
+                    q.handback_yields += 1
+                    if holder.role == CHILD:
+                        q.may_resume(holder.session)  # next after the parent, ahead of the other children
+                    reason = "handback"
+                else:
+                    q.idle_yields += 1
+                    reason = "idle"
+            self._drop_lease(holder, Released(q.key, holder, reason, cost), events, now)
             self._fill(q, now, events)
 
     def _recheck_gap(self, q: _Queue, now: float, nxt: Optional[Waiter] = None) -> None:
@@ -2502,6 +2736,7 @@ class Request(NamedTuple):
     gap: bool = False  # additive, with ``parked``: parked for a tool call between two requests (Scheduler.park)
     background: bool = False  # additive, on acquire: a parent with no person behind it (Scheduler.acquire)
     turn: bool = False  # additive, with ``parked``: a parent's turn is over, a person answers next (Scheduler.park)
+    prefill_ms: Optional[float] = None  # additive, the usage op: how long the server took to prefill ``prefilled``
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -2608,9 +2843,14 @@ def _parse_request(line: Union[bytes, str]) -> Request:
         counts.append(value)
     if op == "usage" and counts == [None, None]:
         raise ProtocolError("usage requires prefilled or reused")
+    prefill_ms = msg.get("prefillMs")
+    if prefill_ms is not None and (not isinstance(prefill_ms, (int, float)) or isinstance(prefill_ms, bool)
+                                   or not 0 <= prefill_ms <= MAX_PREFILL_MS):
+        raise ProtocolError(f"prefillMs must be a duration in milliseconds, 0 to {MAX_PREFILL_MS:.0f} "
+                            f"(got {_show(prefill_ms)})")
     return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume),
                    counts[0], counts[1], busy, bool(spare), bool(handback), bool(gap), bool(background),
-                   bool(turn))
+                   bool(turn), None if prefill_ms is None else float(prefill_ms))
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -2672,8 +2912,11 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
         return [{"event": "move", "queueKey": event.queue_key, "from": event.source, "sessionKey": who.session,
                  "role": ROLES[who.role], "what": "holder" if isinstance(who, Holder) else "waiter"}]
     if isinstance(event, Dead):
-        return [{"event": "dead", "queueKey": event.queue_key, "sessionKey": event.session,
-                 "role": ROLES[event.role], "ms": round(event.ms)}]
+        dead = {"event": "dead", "queueKey": event.queue_key, "sessionKey": event.session,
+                "role": ROLES[event.role], "ms": round(event.ms)}
+        if event.cost is not None:  # additive: what issue 33's rule would have spent of it
+            dead.update(event.cost.fields())
+        return [dead]
     if isinstance(event, Usage):
         line: dict[str, Any] = {"event": "usage", "queueKey": event.queue_key, "sessionKey": event.session,
                                 "prefilled": event.prefilled, "reused": event.reused}
@@ -2683,6 +2926,8 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
             line["kept"] = round(event.kept, 3)
         if event.depth is not None:
             line["depth"] = event.depth
+        if event.prefill_ms is not None:
+            line["prefillMs"] = round(event.prefill_ms, 1)
         return [line]
     holder = event.holder
     base: dict[str, Any] = {"queueKey": event.queue_key, "sessionKey": holder.session, "role": ROLES[holder.role]}
@@ -2696,7 +2941,10 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
             lines.append(dict(event="switch", seq=holder.seq, **base))
         return lines
     if isinstance(event, Released):
-        return [dict(event="release", reason=event.reason, **base)]
+        released = dict(event="release", reason=event.reason, **base)
+        if event.cost is not None:  # additive: issue 33's rule at this hand-over
+            released.update(event.cost.fields())
+        return [released]
     return [dict(event="evict", reason=event.reason, **base)]
 
 
@@ -3185,7 +3433,7 @@ class Daemon:
         elif op == "usage":
             assert req.queue_key is not None
             used = sched.usage(req.queue_key, session, req.prefilled or 0, req.reused or 0,
-                               req.prefilled is not None and req.reused is not None)
+                               req.prefilled is not None and req.reused is not None, req.prefill_ms)
             self._apply([used])
             self._send(c, encode_usage(req.queue_key, req.session_key, used.switch_cost))
         elif op == "status":
@@ -3469,6 +3717,8 @@ class Daemon:
             catalog = self.catalog  # half-written or unreadable: keep the catalog in use
         if load.state == "unreadable":
             note = "; ".join(load.errors)
+            self._config_errors = [f"config unreadable ({note}); "
+                                   f"{'serving with defaults' if startup else 'keeping the last good config'}"]
             if note != self._watch_note:  # say it once, not every poll
                 keeping = "serving with defaults" if startup else "keeping the last good config"
                 self._say(f"config unreadable ({note}); {keeping}")
@@ -3486,7 +3736,7 @@ class Daemon:
             # edit, and in ``status`` until a good one is read.
             keeping = "serving with defaults" if startup else "keeping the last good config"
             self._config_errors = [e if e.startswith(self.config_path) else f"{self.config_path}: {e}"
-                                   for e in load.errors] + [f"config rejected; {keeping}"]
+                                   for e in load.errors] + [f"the file is rejected; {keeping}"]
         elif load.state in ("ok", "missing"):
             self._config_errors = []
         if load.state == "torn":
@@ -3813,7 +4063,11 @@ class Client:
 
     @property
     def fail_open(self) -> bool:
-        return self.config.fail_open if self._fail_open is None else self._fail_open
+        if self._fail_open is not None:
+            return self._fail_open
+        if not self._config_read:  # no daemon answered yet: the config still says
+            self._read_config()
+        return self.config.fail_open
 
     @property
     def queue_timeout_ms(self) -> int:
@@ -3827,6 +4081,9 @@ class Client:
         if not self._config_read:
             self.config = config
             self._config_read = True
+            if load.state in ("torn", "invalid"):  # once: its daemon's stderr may reach nobody
+                self.on_warning(f"llmqueue: {'; '.join(load.errors)}; this client uses the defaults "
+                                "(`llmqueue check-config` lists every error)")
         self.addressing = Addressing(config, load_catalog(self.models_json))
 
     # -- the connection -----------------------------------------------------------------------
@@ -3878,8 +4135,9 @@ class Client:
             if not os.access(folder, os.W_OK | os.X_OK):
                 raise PermissionError(13, "Permission denied")
         except OSError as e:
-            return (f" (cannot create or write {folder}: {e.strerror or e}; pass --agent-dir, or set "
-                    "LLMQUEUE_DIR, to a directory you can write)")
+            way = ("pass a --socket in a directory you can write" if self._paths[0] else
+                   "pass --agent-dir, or set LLMQUEUE_DIR, to a directory you can write")
+            return f" (cannot create or write {folder}: {e.strerror or e}; {way})"
         failed = [p.returncode for p in self._spawned if p.poll() not in (None, 0)]
         if failed:
             return (f" (the daemon it started exited with status {failed[-1]}: run "
@@ -4300,14 +4558,20 @@ class Client:
         self._send(message, connect=False, then=lambda: self._beats.setdefault(key, []).append(pending))
         return pending
 
-    def usage(self, queue_key: str, session_key: str, prefilled: int, reused: int = 0) -> None:
+    def usage(self, queue_key: str, session_key: str, prefilled: int, reused: int = 0,
+              prefill_ms: Optional[float] = None) -> None:
         """Report one request's prompt tokens as the model server counted them: ``prefilled``
         computed afresh, ``reused`` served from its cache (llama.cpp's ``timings.prompt_n`` and
         ``cache_n``; OpenAI's ``prompt_tokens`` less ``cached_tokens``, and ``cached_tokens``).
+        ``prefill_ms``: how long the prefill took (llama.cpp's ``timings.prompt_ms``, else the
+        time to the stream's first token): the server's prefill rate, which prices a switch.
         They go to the event log (``llmqueue report``) and the queue's totals in ``status``.
         Never blocks, never raises for a daemon that is gone."""
-        self._quietly({"op": "usage", "queueKey": queue_key, "sessionKey": session_key,
-                       "prefilled": int(prefilled), "reused": int(reused)})
+        message: dict[str, Any] = {"op": "usage", "queueKey": queue_key, "sessionKey": session_key,
+                                   "prefilled": int(prefilled), "reused": int(reused)}
+        if prefill_ms is not None and 0 <= prefill_ms <= MAX_PREFILL_MS:
+            message["prefillMs"] = round(float(prefill_ms), 3)
+        self._quietly(message)
 
     def _park_when_cheap(self, queue_key: str, session_key: str, park: Callable[[], None]) -> None:
         """Run ``park`` (a session's gap park, void once the gap is over) as soon as a usage reply
@@ -4850,9 +5114,26 @@ class Session:
                 self.lease._set_role(role)
         self.client._quietly({"op": "role", "sessionKey": self.session_key, "role": role})
 
-    def usage(self, prefilled: int, reused: int = 0) -> None:
+    def usage(self, prefilled: int, reused: int = 0, prefill_ms: Optional[float] = None) -> None:
         """Report one of this session's requests' prompt tokens (``Client.usage``)."""
-        self.client.usage(self.queue_key, self.session_key, prefilled, reused)
+        self.client.usage(self.queue_key, self.session_key, prefilled, reused, prefill_ms)
+
+    def report(self, response: Any) -> Optional[tuple[int, int]]:
+        """Report a response's own accounting, so the daemon knows what a switch costs: pass the
+        parsed JSON of a whole response, or a stream's last chunk (llama.cpp's carries
+        ``timings``; OpenAI's ``usage`` comes with ``stream_options: {"include_usage": true}``;
+        Anthropic's and Responses' final events carry theirs).  Returns (prefilled, reused), or
+        None when it said nothing of them (then nothing is sent)."""
+        if hasattr(response, "model_dump"):  # an openai / anthropic package object
+            response = response.model_dump()
+        if not isinstance(response, dict):
+            return None
+        scanner = UsageScanner("application/json")
+        scanner.feed(json.dumps(response, default=str).encode())
+        counts = scanner.result()
+        if counts is not None:
+            self.usage(*counts, prefill_ms=scanner.prefill_ms(0.0))
+        return counts
 
     def blocking(self) -> _Blocking:
         if self.lease is None:
@@ -5015,7 +5296,7 @@ def _text_of(content: Any) -> Any:
     if isinstance(content, list) and content and all(
             isinstance(part, dict) and part.get("type") in ("text", "input_text") and set(part) <= {"type", "text"}
             and isinstance(part.get("text"), str) for part in content):
-        return "".join(part["text"] for part in content)
+        return "\n".join(part["text"] for part in content)
     return json.dumps(content, sort_keys=True, default=str)
 
 
@@ -5056,6 +5337,17 @@ def conversation_fingerprint(body: dict[str, Any]) -> Optional[str]:
         return None
     blob = json.dumps([body.get("model"), system, first], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def conversation_length(body: Optional[dict[str, Any]]) -> int:
+    """How many messages (chat, Anthropic) or input items (Responses) a request carries: a
+    conversation's next request is longer than its last, which it answers."""
+    if body is None:
+        return 0
+    items = body.get("messages")
+    if not isinstance(items, list):
+        items = body.get("input")
+    return len(items) if isinstance(items, list) else 0
 
 
 _TOOL_OUTPUTS = ("tool_result", "function_call_output", "custom_tool_call_output", "mcp_tool_result")
@@ -5287,8 +5579,11 @@ class UsageScanner:
         self.timings: Optional[dict[str, Any]] = None
         self.usage: dict[str, Any] = {}
         self.ending: Optional[str] = None  # "tool": it asked for a tool; "turn": it ended the turn
+        self.first_data: Optional[float] = None  # monotonic: when the body's first bytes came
 
     def feed(self, data: bytes) -> None:
+        if self.first_data is None and data:
+            self.first_data = time.monotonic()
         if self.sse:
             lines = (self._partial + data).split(b"\n")
             self._partial = lines.pop()
@@ -5336,6 +5631,17 @@ class UsageScanner:
             self._take(bytes(self._body))
             self._body = bytearray()
         return token_counts(self.timings, self.usage)
+
+    def prefill_ms(self, sent: float) -> Optional[float]:
+        """How long the server took to prefill the prompt: its own ``timings.prompt_ms``
+        (llama.cpp), else, of a stream, the time from ``sent`` (monotonic, when the request went
+        upstream) to its first bytes; None for a whole body, whose first bytes come at its end."""
+        ms = self.timings.get("prompt_ms") if self.timings is not None else None
+        if isinstance(ms, (int, float)) and not isinstance(ms, bool) and 0 <= ms <= MAX_PREFILL_MS:
+            return float(ms)
+        if self.sse and self.first_data is not None:
+            return min(MAX_PREFILL_MS, max(0.0, (self.first_data - sent) * 1000.0))
+        return None
 
 
 def _is_loopback(host: str) -> bool:
@@ -5439,7 +5745,8 @@ class SlotStore:
         self._root = path
         self.timeout = timeout
         self.log = log or (lambda message: None)
-        tag = hashlib.sha1(normalize_url(server).encode()).hexdigest()[:10]
+        # named by the server's root, as before one key named both forms (files already there stay ours)
+        tag = hashlib.sha1(normalize_url(server)[:-3].encode()).hexdigest()[:10]
         self.files = SlotFiles(f"llmqueue-{tag}", files)
         self._lock = threading.Lock()
         self._last: Optional[str] = None  # whose request ran on the slot last (as far as we know)
@@ -5567,6 +5874,11 @@ class SlotStore:
         return self.active and 4 * self.switch_s <= window_s
 
 
+# The first segments of OpenAI paths a client with a base URL of ``.../v1`` sends without ``/v1``.
+_OPENAI_RELATIVE = frozenset(("/chat", "/completions", "/responses", "/models", "/embeddings", "/messages",
+                              "/moderations", "/audio", "/images"))
+
+
 class _ProxySession:
     """A queue Session plus how many of its requests are in flight, and the gaps between its
     requests (its agent's tool calls), which set how long it keeps the slot after a response."""
@@ -5576,6 +5888,10 @@ class _ProxySession:
         self.own = own  # a request that named no session is a session of its own
         self.interactive = interactive  # a parent by its path or headers: a person's session
         self.inflight = 0
+        # the conversation length (messages, or Responses items) of each request in flight: a
+        # request of a fingerprint-keyed session no longer than one in flight is no continuation
+        # of it (that one has not answered yet), but an identical conversation of its own
+        self.lengths: list[int] = []
         self.starting = threading.Lock()
         self.last_end: Optional[float] = None  # when its last response ended (monotonic)
         self.gaps: deque[float] = deque(maxlen=3)  # its last gaps, response end to next request
@@ -5642,11 +5958,16 @@ class Proxy:
 
     def upstream_path(self, path: str) -> str:
         """The upstream's path for a request's ``path``: the upstream URL's path, then the
-        request's, except that a ``/v1`` both name is said once."""
+        request's.  An upstream given as its OpenAI base URL (``.../v1``) is the server's root
+        plus ``/v1``: a request that names ``/v1`` itself, or a path of the server's own
+        (llama.cpp's ``/completion``, ``/props``, Ollama's ``/api/chat``, ``HEAD /``), goes to the
+        root; an OpenAI path without it (``/chat/completions``) goes under ``/v1``."""
         base = self._base
-        if base.endswith("/v1") and (path == "/v1" or path.startswith(("/v1/", "/v1?"))):
-            base = base[:-3]
-        return base + path
+        if not base.lower().endswith("/v1"):
+            return base + path
+        root = base[:-3]
+        first = "/" + path.lstrip("/").split("?", 1)[0].split("/", 1)[0]
+        return (base if first in _OPENAI_RELATIVE else root) + path
 
     @property
     def url(self) -> str:
@@ -5771,18 +6092,21 @@ class Proxy:
 
     def begin(self, session_key: Optional[str], role: str,
               client_sock: Optional[socket.socket] = None, interactive: bool = False,
-              background: bool = False) -> _ProxySession:
+              background: bool = False, length: int = 0) -> _ProxySession:
         """Hold the slot for a request of ``session_key`` (a fresh session when None).  While it
         waits, ``client_sock`` is watched: an HTTP client that hangs up leaves the queue
         (Cancelled), as a socket client that disconnects would.  ``background``: a parent with
-        no person behind it (``unattended``), from this request's acquire on."""
+        no person behind it (``unattended``), from this request's acquire on.  ``length``: the
+        request's conversation length (``conversation_length``)."""
         import uuid
 
         with self._lock:
             busy = self._sessions.get(session_key or "")
-            if session_key is not None and session_key.startswith("conv:") and busy is not None and busy.inflight > 0:
+            if (session_key is not None and session_key.startswith("conv:") and busy is not None
+                    and busy.lengths and length <= max(busy.lengths)):
                 # Two identical conversations with nothing named (two runs of one prompt): one
                 # grant must never cover both on the server, so the second is a session of its own.
+                # (A continuation is longer than the request it follows: it holds its answer.)
                 session_key = None
             own = session_key is None
             key = session_key or f"proxy-{uuid.uuid4()}"
@@ -5802,6 +6126,7 @@ class Proxy:
             ps.interactive = interactive and role == "parent"
             ps.session.background = background  # from its next acquire
             ps.inflight += 1
+            ps.lengths.append(length)
             if ps.inflight == 1 and ps.last_end is not None:
                 gap = time.monotonic() - ps.last_end
                 if gap <= self.grace_ms / 1000.0:  # a longer one let the slot go: no tool call
@@ -5820,7 +6145,7 @@ class Proxy:
                     alone = ps.inflight == 1  # nothing of this session streams: a boundary
                 ps.session._before_request(None, may_hand_back=alone, starts_run=True)
         except BaseException:
-            self.end(key, ok=False)
+            self.end(key, ok=False, length=length)
             raise
         finally:
             waiting.set()
@@ -5842,7 +6167,8 @@ class Proxy:
                 ps.session.abort()  # its only request: leave the queue now
             return
 
-    def end(self, key: str, *, ok: bool, ending: Optional[str] = None, person: bool = False) -> None:
+    def end(self, key: str, *, ok: bool, ending: Optional[str] = None, person: bool = False,
+            length: int = 0) -> None:
         """A request of ``key`` is over: the session settles (grace, parking after its
         ``hold_window``) after its last request, or lets go at once after a failure or when it
         was a session of its own.  ``ending``: how the response said it ended (``_ending``).
@@ -5855,6 +6181,8 @@ class Proxy:
             if ps is None:
                 return
             ps.inflight -= 1
+            if length in ps.lengths:
+                ps.lengths.remove(length)
             last = ps.inflight <= 0
             if last:
                 ps.last_end = time.monotonic()
@@ -5955,13 +6283,18 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
             whose = " (a person's session)" if interactive else " (no person in sight)" if background else ""
             proxy.log(f"{self.command} {path}: session {ident.session or '(its own)'} as {role}{whose}, "
                       f"from {ident.source}")
+            length = conversation_length(_json_body(body, {k.lower(): v for k, v in self.headers.items()})) \
+                if ident.session is not None and ident.session.startswith("conv:") else 0
             try:
-                ps = proxy.begin(ident.session, role, self.connection, interactive, background)
+                ps = proxy.begin(ident.session, role, self.connection, interactive, background, length)
             except DaemonUnavailable as e:
                 self._error(503, "llmqueue_unavailable", f"the llmqueue daemon is unavailable: {e}")
+                proxy.log(f"{self.command} {path} -> 503 in {time.monotonic() - started:.2f} s: no daemon")
                 return
             except Cancelled:
                 self.close_connection = True  # the client hung up while queued
+                proxy.log(f"{self.command} {path} -> no answer in {time.monotonic() - started:.2f} s: "
+                          "the client hung up while queued")
                 return
             key = ps.session.session_key
             ok = False
@@ -5970,10 +6303,11 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 ok = self._relay(path, body)
                 counts = self._scanner.result() if self._scanner is not None else None
                 if counts is not None:  # before the slot can go: the log ties it to this grant
-                    proxy.client.usage(proxy.queue_key, key, *counts)
+                    proxy.client.usage(proxy.queue_key, key, *counts,
+                                       prefill_ms=self._scanner.prefill_ms(self._sent) if self._scanner else None)
             finally:
                 proxy.end(key, ok=ok, ending=self._scanner.ending if self._scanner is not None else None,
-                          person=ident.person)
+                          person=ident.person, length=length)
                 proxy.log(f"{self.command} {path} -> {self._status or 'no answer'} in "
                           f"{time.monotonic() - started:.2f} s, session {key}")
 
@@ -5989,6 +6323,7 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
             headers["Host"] = target.netloc
             if body or self.command in ("POST", "PUT", "PATCH"):
                 headers["Content-Length"] = str(len(body))
+            self._sent = time.monotonic()
             try:
                 upstream.request(self.command, proxy.upstream_path(path), body=body or None, headers=headers)
                 if upstream.sock is not None:
@@ -6180,12 +6515,13 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     queues: dict[str, dict[str, Any]] = {}
     end = events[-1]["t"] if events else 0.0
     for e in events:
-        key = e["queueKey"]
+        key = normalize_url(e["queueKey"])  # a log from before one key named both forms of a server
         q = queues.get(key)
         if q is None:
             q = queues[key] = {"holds": [], "waits": [], "open": {}, "waiting": {}, "switches": [],
                                "idle": [], "parked": [], "handback": [], "evictions": [], "config": [], "grants": [],
-                               "sessions": {}, "usage": [], "switch_seqs": set(), "kept": [], "dead": []}
+                               "sessions": {}, "usage": [], "switch_seqs": set(), "kept": [], "dead": [],
+                               "past_switch": []}
         kind, t = e["event"], e["t"]
         if kind == "config":
             q["config"].append(t)
@@ -6210,6 +6546,9 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             ms = e.get("ms")
             if isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms > 0:
                 q["dead"].append((t, session, float(ms)))
+                switch = e.get("switchMs")  # issue 33's rule: it would have kept the slot this long
+                if isinstance(switch, (int, float)) and not isinstance(switch, bool) and switch >= 0:
+                    q["past_switch"].append((t, max(0.0, float(ms) - float(switch)), float(ms)))
             continue
         if kind == "usage":
             prefilled, reused = e.get("prefilled"), e.get("reused")
@@ -6276,7 +6615,7 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
         return bisect.bisect_right(times, stop) - bisect.bisect_left(times, start)
 
     for key, q in replay(events).items():
-        if queue is not None and key != queue:
+        if queue is not None and key != normalize_url(queue):
             continue
 
         def inside(t: float) -> bool:
@@ -6339,6 +6678,10 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
             "deadMs": round(sum(dead_session.values())),
             "deadMsBySession": {s: round(ms) for s, ms in sorted(dead_session.items(), key=lambda kv: -kv[1])},
         }
+        priced = [(past, ms) for t, past, ms in q["past_switch"] if inside(t)]
+        if priced:  # additive: the dead time past what a switch would have cost (issue 33's rule)
+            out["queues"][key]["deadPastSwitchMs"] = round(sum(past for past, _ in priced))
+            out["queues"][key]["deadPricedMs"] = round(sum(ms for _, ms in priced))
         if tokens is not None:
             out["queues"][key]["tokens"] = tokens
     return out
@@ -6413,6 +6756,9 @@ def format_report(report: dict[str, Any]) -> str:
             share = f" ({r['deadMs'] / held_ms * 100:.0f}% of the time held)" if held_ms else ""
             out.append(f"  dead time: {_duration(r['deadMs'])} held with no request in flight while someone "
                        f"waited{share}: {_by_session(r['deadMsBySession'])}")
+            if "deadPastSwitchMs" in r:
+                out.append(f"  of it past what a switch would have cost: {_duration(r['deadPastSwitchMs'])} "
+                           f"(of {_duration(r['deadPricedMs'])} priced; one rule for the slot hands over then)")
         tokens = r.get("tokens")
         if tokens:
             out.append(f"  tokens: {tokens['requests']} requests prefilled {tokens['prefilled']:,} and reused "
@@ -6454,7 +6800,7 @@ def render_svg(events: list[dict[str, Any]], since: Optional[float] = None, unti
 
     queues = replay(events)
     if queue is not None:
-        queues = {k: v for k, v in queues.items() if k == queue}
+        queues = {k: v for k, v in queues.items() if k == normalize_url(queue)}
     start = since if since is not None else (events[0]["t"] if events else 0.0)
     stop = until if until is not None else (events[-1]["t"] if events else 1.0)
     stop = max(stop, start + 1e-3)
@@ -6802,6 +7148,9 @@ def format_status(queues: list[dict[str, Any]]) -> str:
                 group = f" [{p['group']}]" if p.get("group") else ""
                 spare = " (spare stream)" if p.get("spare") is True else ""
                 out.append(f"  {label}  {p.get('sessionKey')} {p.get('role')}{group}{spare}")
+        for hold in q.get("holds") or []:  # an idle slot someone waits for: both sides of the rule
+            if isinstance(hold, dict):
+                out.append(f"  idle   {hold.get('sessionKey')}: {hold.get('explain')}")
     return "\n".join(out) + "\n"
 
 
@@ -6957,8 +7306,9 @@ def _cmd_run(argv: list[str]) -> int:
             print("\nllmqueue: cancelled while queued", file=sys.stderr)
             return 130
         except DaemonUnavailable as e:
-            print(f"llmqueue: {e}; the command was not run (exit status 75: try again later, or drop "
-                  "--fail-closed to run it unqueued)", file=sys.stderr)
+            way = "drop --fail-closed" if args.fail_closed else 'set "failOpen": true in the config\'s defaults'
+            print(f"llmqueue: {e}; the command was not run (exit status 75: try again later, or {way} "
+                  "to run it unqueued)", file=sys.stderr)
             return 75  # EX_TEMPFAIL
         if tty and lease.queued:
             sys.stderr.write("\r\x1b[K")
@@ -7104,6 +7454,7 @@ def _cmd_proxy(argv: list[str]) -> int:
                       identity=args.identity, slot_files=args.slot_files)
     except OSError as e:
         host, port = args.listen
+        host = f"[{host}]" if ":" in host else host
         if e.errno == errno.EADDRINUSE:
             say(f"llmqueue proxy: cannot listen on {host}:{port}: the address is in use (another llmqueue "
                 f"proxy, or another server?); pass --listen {host}:PORT for another port")
@@ -7121,11 +7472,14 @@ def _cmd_proxy(argv: list[str]) -> int:
     server = threading.Thread(target=proxy.serve_forever, name="llmqueue-proxy", daemon=True)
     server.start()
     say(f"llmqueue proxy: {proxy.url} -> {args.upstream} (queue {proxy.queue_key})")
+    try:
+        reply = client.status_reply()  # starts the daemon: what is wrong is said now, not at a request
+    except (DaemonUnavailable, LLMQueueError):
+        reply = {"logFile": client.log_file}  # fail-open: no daemon to ask
+    for error in reply.get("configErrors") or []:
+        say(f"llmqueue proxy: the daemon's config: {error}")
     if args.log:
-        try:
-            logged = client.status_reply().get("logFile")
-        except (DaemonUnavailable, LLMQueueError):
-            logged = client.log_file  # fail-open: no daemon to ask
+        logged = reply.get("logFile")
         if logged != client.log_file:
             say(f"llmqueue proxy: the daemon that was already running logs to {logged or 'no file'}, "
                 f"not {client.log_file}: --log applies to a daemon the proxy starts (stop that one, "
@@ -7173,9 +7527,10 @@ def _cmd_report(argv: list[str]) -> int:
     if not args.logfile:
         found = _find_log(agent_dir, config_path)
         if found is None:
-            print(f"llmqueue report: no event log to read: the daemon keeps none unless told.  Turn it on with "
-                  f'"defaults": {{"logFile": "llm-queue.log"}} in {config_path}, or start the proxy with '
-                  "--log FILE; then run llmqueue report again (or name the file).", file=sys.stderr)
+            print(f"llmqueue report: no event log to read: no daemon runs with one, and the config names none.  "
+                  f'Turn it on with "defaults": {{"logFile": "llm-queue.log"}} in {config_path}, or start the '
+                  "proxy with --log FILE; then run llmqueue report again.  (A proxy that ran with --log FILE "
+                  "wrote there: name that file.)", file=sys.stderr)
             return 1
         args.logfile = [found]
     try:

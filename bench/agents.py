@@ -229,6 +229,7 @@ class Reply(NamedTuple):
     error: str
     completion_n: Optional[int] = None  # tokens it generated
     finish: Optional[str] = None  # its finish_reason: "stop" for an answer, "length" when cut
+    prompt_ms: Optional[float] = None  # how long the server took to prefill (llama.cpp's timings.prompt_ms)
 
 
 def v1_base(url: str) -> str:
@@ -311,8 +312,10 @@ def stream_chat(base: str, messages: List[Dict[str, str]], max_tokens: int,
         conn.close()
     prompt_n, cache_n = _accounting(timings, usage)
     completion = timings.get("predicted_n", usage.get("completion_tokens"))
+    prompt_ms = timings.get("prompt_ms")
     return Reply(True, 200, "".join(parts), first, now(), prompt_n, cache_n, "",
-                 completion if isinstance(completion, int) else None, finish)
+                 completion if isinstance(completion, int) else None, finish,
+                 float(prompt_ms) if isinstance(prompt_ms, (int, float)) else None)
 
 
 def _accounting(timings: Dict[str, Any], usage: Dict[str, Any]) -> Tuple[Optional[int], Optional[int]]:
@@ -398,7 +401,8 @@ class ClientAccess(Access):
 
     def reported(self, agent: "Agent", reply: "Reply") -> None:
         if reply.prompt_n is not None:  # as a Client user would: the server's counts, to the log
-            self.client.usage(self.queue_key, agent.session, reply.prompt_n, reply.cache_n or 0)
+            self.client.usage(self.queue_key, agent.session, reply.prompt_n, reply.cache_n or 0,
+                              prefill_ms=reply.prompt_ms)
 
     def close(self) -> None:
         with self.lock:
@@ -443,6 +447,20 @@ class Workload(NamedTuple):
     think_s: float = 2.0  # interactive: the person's think time before each turn
     limit_s: float = 300.0  # interactive: the run's time limit (a starved parent must not hang the run)
     final_stop: bool = True  # an agent's answer ends with finish_reason "stop" (see stream_chat)
+    # tool times: "const" (every tool call takes ``tool_s``), or "heavy": a Pareto tail (shape
+    # 1.5) with mean ``tool_s``, most calls short and a few long; and, either way, with chance
+    # ``long_tool_p``, a long tool (a test run) of ``long_tool_s`` to 6x that
+    tool_dist: str = "const"
+    long_tool_p: float = 0.0
+    long_tool_s: float = 5.0
+
+    def tool_time(self, rng: random.Random) -> float:
+        """One tool call's length, drawn from the agent's own random stream (reproducible)."""
+        if self.long_tool_p > 0 and rng.random() < self.long_tool_p:
+            return self.long_tool_s * rng.uniform(1.0, 6.0)
+        if self.tool_dist == "heavy":
+            return self.tool_s * rng.paretovariate(1.5) / 3.0
+        return self.tool_s
 
     def context_tokens(self) -> int:
         """About the largest context one agent reaches (a child's, at its last request)."""
@@ -515,7 +533,7 @@ class Agent:
             if work is not None:
                 work()
             else:
-                time.sleep(self.workload.tool_s)
+                time.sleep(self.workload.tool_time(self.rng))
         # a tool's output, as agents send it (a person's words are a user message)
         self.messages.append({"role": "tool", "content": output or self.words(self.workload.tool_tokens)})
 
@@ -821,11 +839,12 @@ class Queue:
     """A fresh daemon (default config, plus ``logFile``) on a temporary agent dir, and for the
     proxy modes ``llmqueue proxy`` in front of the upstream, each its own process."""
 
-    def __init__(self, upstream: str, proxy: bool, teach: Optional[Tuple[str, "Workload", str]] = None) -> None:
+    def __init__(self, upstream: str, proxy: bool, teach: Optional[Tuple[str, "Workload", str]] = None,
+                 defaults: Optional[Dict[str, Any]] = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="lqagents-", dir="/tmp")
         self.log = os.path.join(self.dir, "events.log")
         with open(os.path.join(self.dir, "llm-queue.json"), "w") as f:
-            json.dump({"defaults": {"logFile": self.log}}, f)
+            json.dump({"defaults": dict(defaults or {}, logFile=self.log)}, f)
         self.procs: List["subprocess.Popen[bytes]"] = []
         env = dict(os.environ)
         env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -955,7 +974,10 @@ class LlamaServer:
 # =================================================================================================
 
 ACCESS = ("none", "client", "proxy", "proxy-anon", "client-warm", "proxy-warm", "proxy-anon-warm", "client-again",
-          "proxy-again")
+          "proxy-again", "client-cost", "proxy-cost", "proxy-anon-cost")
+# The accesses whose daemon runs issue 33's one rule for an idle slot (``holdRule: cost``), beside
+# the same accesses on the rules in force: old against new, in one table, in one run.
+COST = "-cost"
 
 
 def lesson(access: Access, pattern: str, wl: Workload, salt: str) -> None:
@@ -972,7 +994,11 @@ def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: 
     """One run of ``pattern`` through ``access_name`` against ``upstream``: its figures.
     ``keep_log``: copy the daemon's event log there (for ``llmqueue report``)."""
     warm = access_name.endswith("-warm")
-    queue = (Queue(upstream, proxy=access_name.startswith("proxy"), teach=(pattern, wl, salt) if warm else None)
+    cost = access_name.endswith(COST)
+    if cost:
+        access_name = access_name[:-len(COST)]
+    queue = (Queue(upstream, proxy=access_name.startswith("proxy"), teach=(pattern, wl, salt) if warm else None,
+                   defaults={"holdRule": "cost"} if cost else None)
              if access_name != "none" else None)
     client: Optional[llmqueue.Client] = None
     access: Access

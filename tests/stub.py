@@ -82,7 +82,7 @@ def _closing(kind: str, n: int, finish: str = "stop") -> bytes:
              "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
              "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
                        "prompt_tokens_details": {"cached_tokens": cached}},
-             "timings": {"prompt_n": prompt - cached, "cache_n": cached, "predicted_n": n}}
+             "timings": {"prompt_n": prompt - cached, "cache_n": cached, "predicted_n": n, "prompt_ms": 12.5}}
     return _sse(None, final) + b"data: [DONE]\n\n"
 
 

@@ -428,7 +428,7 @@ ADDRESS_ROWS: List[Tuple[str, Dict[str, Any], str, str, Optional[int]]] = [
     ("url-entry-matches-normalised", {"HTTP://GPU.local:80/v1/": {"maxStreams": 4}}, "http://gpu.local/v1",
      "http://gpu.local/v1", 4),
     ("url-path-keeps-its-case", {"http://gpu.local/v1": {"maxStreams": 4}}, "http://gpu.local/V1",
-     "http://gpu.local/V1/v1", 1),
+     "http://gpu.local/V1", 1),
     ("group-member-normalised", {"g": {"match": ["HTTPS://Gpu.Local:443/v1//"], "maxStreams": 2}},
      "https://gpu.local/v1", "g", 2),
 ]

@@ -152,16 +152,25 @@ def post(port: int, body: bytes, path: str = "/v1/chat/completions", headers: Op
         conn.close()
 
 
-def test_an_upstream_given_as_its_v1_url_is_forwarded_each_path_once(stub: StubEndpoint, daemon: DaemonProc) -> None:
-    p = RunningProxy(stub.url, daemon.agent_dir, identity=())
+def test_an_upstream_given_as_its_v1_url_is_the_servers_root_plus_v1(stub: StubEndpoint, daemon: DaemonProc) -> None:
+    """A path that names /v1 goes there once; the server's own paths (llama.cpp's, Ollama's,
+    ``HEAD /``) go to its root; an OpenAI path sent without /v1 goes under it."""
+    p = RunningProxy(stub.url, daemon.agent_dir, identity=(), slot_files=0)
     try:
         assert post(p.port, chat_body("hi"))[0] == 200
         assert post(p.port, b"", "/v1/models", method="GET")[0] == 200
         assert post(p.port, b"", "/health", method="GET")[0] == 200
+        assert post(p.port, b"", "/props", method="GET")[0] == 200
+        assert post(p.port, b"", "/", method="HEAD")[0] == 200
+        assert post(p.port, chat_body("native"), "/completion")[0] == 200
+        assert post(p.port, chat_body("ollama"), "/api/chat")[0] == 200
+        assert post(p.port, chat_body("bare"), "/chat/completions")[0] == 200
     finally:
         p.close()
-    paths = [r["path"] for r in stub.records if r["path"] != "/props"]
-    assert paths == ["/v1/chat/completions", "/v1/models", "/v1/health"], paths
+    paths = [r["path"] for r in stub.records]
+    assert paths == ["/v1/chat/completions", "/v1/models", "/health", "/props", "/", "/completion", "/api/chat",
+                     "/v1/chat/completions"], paths
+    assert lq.Proxy.upstream_path(p.proxy, "/v1?x=1") == "/v1?x=1"
 
 
 def test_requests_that_are_no_model_call_pass_straight_through_while_the_slot_is_held(
@@ -363,3 +372,77 @@ def test_proxy_log_makes_its_queue_report_ready_with_no_config_file(stub: StubEn
         sock = os.path.join(agent_dir, "llm-queue.sock")
         wait_for(lambda: not os.path.exists(sock), 10)  # the daemon it started exits with it
     assert "logs to" not in err, err
+
+
+# -- what the one key per server leaves behind from before ---------------------------------------
+
+
+def test_two_config_entries_for_one_server_warn_that_only_the_first_applies() -> None:
+    _, errors, warnings = lq.validate_config({"queues": {SERVER: {"maxStreams": 2}, SERVER + "/v1": {"maxStreams": 1}}})
+    assert errors == []
+    assert warnings == [f"queues.{SERVER}/v1 names the same server as queues.{SERVER} ({SERVER}/v1): "
+                        "only the first applies"]
+    owner, policy = lq.Addressing(lq.validate_config({"queues": {SERVER: {"maxStreams": 2}}})[0]).address_endpoint(
+        SERVER + "/v1/")
+    assert (owner, policy.max_streams) == (SERVER + "/v1", 2)
+
+
+def test_a_log_from_before_names_the_server_in_either_form_and_report_finds_it_by_either() -> None:
+    events = [{"event": "grant", "queueKey": SERVER, "sessionKey": "A", "role": "parent", "seq": 1,
+               "ts": "2026-12-01T10:00:00.000Z"},
+              {"event": "release", "queueKey": SERVER, "sessionKey": "A", "role": "parent", "reason": "release",
+               "ts": "2026-12-01T10:00:01.000Z"},
+              {"event": "grant", "queueKey": SERVER + "/v1", "sessionKey": "B", "role": "parent", "seq": 2,
+               "ts": "2026-12-06T10:00:00.000Z"},
+              {"event": "release", "queueKey": SERVER + "/v1", "sessionKey": "B", "role": "parent",
+               "reason": "release", "ts": "2026-12-06T10:00:01.000Z"}]
+    path = os.path.join(short_tmpdir(), "old.log")
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in events))
+    report = lq.build_report(lq.read_event_log([path]))
+    assert list(report["queues"]) == [SERVER + "/v1"] and report["queues"][SERVER + "/v1"]["grants"] == 2
+    for form in (SERVER, SERVER + "/v1/"):
+        assert list(lq.build_report(lq.read_event_log([path]), queue=form)["queues"]) == [SERVER + "/v1"]
+        assert "<svg" in lq.render_svg(lq.read_event_log([path]), queue=form)
+
+
+def test_a_state_file_from_before_is_found_under_the_one_key() -> None:
+    wall = time.time()
+    raw = json.dumps({"version": 1, "affinity": {
+        SERVER: {"kept": [0.1], "at": wall - 100},
+        SERVER + "/v1": {"kept": [0.9, 0.95], "at": wall - 10}}}).encode()
+    kept, at, _ = lq.decode_state(raw, wall)
+    assert kept == {SERVER + "/v1": [0.9, 0.95]} and at == {SERVER + "/v1": wall - 10}  # the latest stands
+
+
+def test_slot_files_keep_the_name_they_had_for_a_servers_root() -> None:
+    import hashlib
+
+    root = lq.SlotStore(SERVER).files.prefix
+    assert root == lq.SlotStore(SERVER + "/v1/").files.prefix
+    assert root == "llmqueue-" + hashlib.sha1(SERVER.encode()).hexdigest()[:10]  # the name files had
+
+
+def test_a_config_that_says_fail_closed_holds_with_no_daemon_to_ask() -> None:
+    """``failOpen: false`` in the config is read before any daemon answers: with none to be had,
+    the command is not run (it used to be read only after a connection succeeded)."""
+    d = short_tmpdir()
+    with open(os.path.join(d, "llm-queue.json"), "w") as f:
+        json.dump({"defaults": {"failOpen": False}}, f)
+    marker = os.path.join(d, "ran")
+    blocker = os.path.join(d, "a-file")
+    open(blocker, "w").close()
+    out = run_cli("run", "--agent-dir", d, "--socket", os.path.join(blocker, "s.sock"), "--queue", SERVER,
+                  "--", "touch", marker)
+    assert out.returncode == 75 and not os.path.exists(marker), out.stderr
+    assert 'set "failOpen": true' in out.stderr, out.stderr
+
+
+def test_a_client_warns_once_of_a_config_of_bad_json_that_its_daemon_cannot_show_it() -> None:
+    d = short_tmpdir()
+    with open(os.path.join(d, "llm-queue.json"), "w") as f:
+        f.write('{"defaults": {"maxStreams": 2,}}')
+    marker = os.path.join(d, "ran")
+    out = run_cli("run", "--agent-dir", d, "--queue", SERVER, "--", "touch", marker)
+    assert out.returncode == 0 and os.path.exists(marker), out.stderr
+    assert out.stderr.count("not valid JSON") == 1 and "check-config" in out.stderr, out.stderr

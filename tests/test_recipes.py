@@ -57,6 +57,32 @@ RECIPES: Dict[str, Recipe] = {
     "pi": Recipe("/v1", "/chat/completions"),
 }
 
+def readme_bases() -> Dict[str, str]:
+    """The base URL each tool's recipe in README.md's "Use it with your agent" gives it, after
+    the proxy's address: a wrong README recipe fails these tests, not only a wrong table here."""
+    import re
+
+    with open(os.path.join(os.path.dirname(CAPTURES), "..", "README.md")) as f:
+        text = f.read()
+    section = text[text.index("## Use it with your agent"):text.index("\n## ", text.index("## Use it with your agent") + 3)]
+    found = {
+        "claude": re.findall(r"ANTHROPIC_BASE_URL=(\S+)", section),
+        "opencode": re.findall(r'"baseURL":\s*"([^"]+)"', section),
+        "codex": re.findall(r'base_url\s*=\s*"([^"]+)"', section),
+        "pi": re.findall(r'"baseUrl":\s*"([^"]+)"', section),
+    }
+    out = {}
+    for tool, urls in found.items():
+        assert len(urls) == 1, (tool, urls)
+        assert urls[0].startswith("http://127.0.0.1:8787"), (tool, urls)
+        out[tool] = urls[0][len("http://127.0.0.1:8787"):]
+    return out
+
+
+def test_the_readme_gives_each_tool_the_base_url_tested_here() -> None:
+    assert readme_bases() == {tool: recipe.base for tool, recipe in RECIPES.items()}
+
+
 # The body fields' placeholder values (the captures hold the keys, not the values); the rest are {}.
 PLACEHOLDERS: Dict[str, Any] = {
     "tools": [], "tool_choice": "auto", "parallel_tool_calls": False, "include": [], "store": False,

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Old against new on a family of workloads, in the KV-cache simulator (issue 33).
+
+    python3 bench/family.py                  # every workload, none / client / client-cost
+    python3 bench/family.py --only cpu-pressure-heavy-3 --access none,client,client-cost,proxy,proxy-cost
+
+One table, one run: for each workload, the agents of ``bench/agents.py``'s *delegate* pattern
+(a parent makes two requests, parks while its subagents run four requests each, answers once
+more) straight to the server (``none``), through the queue on the rules in force (``client``,
+``proxy``), and through the queue on issue 33's one rule for an idle slot (``client-cost``,
+``proxy-cost``: ``holdRule: cost``).  Each run meets a fresh simulated server (``tests/kvsim.py``)
+and a fresh daemon.  Every ratio is against ``none`` on the same workload, in the same run.
+
+The family varies what one benchmark does not: the server's speed (a CPU's prefill, ~500
+tokens/s, against a GPU's, 20,000), whether the host cache holds every agent's context (*fit*)
+or about two of them (*pressure*), tool times (constant; heavy-tailed; now and then a long test
+run), and one, three or six subagents.  The simulator's clock is the wall's: a run takes as long
+as it would.  Standard library only, but for ``tests/kvsim.py`` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Any, Dict, List, NamedTuple, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import agents  # noqa: E402
+from tests.kvsim import KVSim  # noqa: E402
+
+
+class Server(NamedTuple):
+    prefill_ms: float  # per prompt token
+    decode_ms: float  # per generated token
+
+
+SERVERS = {"cpu": Server(prefill_ms=2.0, decode_ms=20.0), "gpu": Server(prefill_ms=0.05, decode_ms=10.0)}
+BASE = agents.Workload(system_tokens=300, task_tokens=20, reply_tokens=8, tool_tokens=60, tool_s=0.3,
+                       children=3, child_requests=4, parent_before=2)
+TOOLS: Dict[str, Dict[str, Any]] = {
+    "const": {},
+    "heavy": {"tool_dist": "heavy"},
+    "long": {"tool_dist": "heavy", "long_tool_p": 0.1, "long_tool_s": 2.0},
+}
+
+
+class Case(NamedTuple):
+    server: str
+    cache: str  # fit / pressure
+    tools: str
+    children: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.server}-{self.cache}-{self.tools}-{self.children}"
+
+
+FAMILY = [Case(*c) for c in (
+    ("cpu", "fit", "const", 3), ("cpu", "pressure", "const", 3), ("cpu", "pressure", "heavy", 3),
+    ("cpu", "pressure", "long", 3), ("cpu", "fit", "heavy", 3), ("cpu", "pressure", "const", 1),
+    ("cpu", "pressure", "const", 6), ("cpu", "fit", "long", 6), ("gpu", "fit", "const", 3),
+    ("gpu", "pressure", "const", 3), ("gpu", "pressure", "heavy", 6), ("gpu", "pressure", "long", 3),
+)]
+
+
+def run_case(case: Case, access: str, salt: str) -> Dict[str, Any]:
+    wl = BASE._replace(children=case.children, **TOOLS[case.tools])
+    context = wl.context_tokens()
+    host = context * (case.children + 2) * 2 if case.cache == "fit" else int(context * 1.2)
+    server = SERVERS[case.server]
+    with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=host, prefill_ms=server.prefill_ms,
+               decode_ms=server.decode_ms) as sim:
+        fig = agents.run_once("delegate", access, sim.url, wl, salt)
+    fig.pop("request_log", None)
+    return fig
+
+
+def ratio(x: Optional[float], base: Optional[float]) -> str:
+    return "-" if x is None or not base else f"{x / base:.2f}x"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--access", default="none,client,client-cost",
+                    help="comma list of bench/agents.py accesses (default: none,client,client-cost)")
+    ap.add_argument("--only", help="comma list of workload names (default: the whole family)")
+    ap.add_argument("--salt", default="fam")
+    args = ap.parse_args(argv)
+    accesses = args.access.split(",")
+    cases = [c for c in FAMILY if not args.only or c.name in args.only.split(",")]
+    rows = [["workload", "access", "makespan s", "vs none", "prefill vs oracle", "dead %", "failed"]]
+    summary: Dict[str, List[float]] = {a: [] for a in accesses}
+    for case in cases:
+        base: Optional[float] = None
+        for access in accesses:
+            fig = run_case(case, access, f"{args.salt}{case.name}")
+            makespan = fig["makespan_s"]
+            if access == "none":
+                base = makespan
+            elif base:
+                summary[access].append(makespan / base)
+            dead = fig.get("dead_s")
+            rows.append([case.name, access, f"{makespan:.2f}", ratio(makespan, base),
+                         ratio(fig["prefill"], fig["oracle"]),
+                         "-" if dead is None else f"{100 * dead / makespan:.0f}", str(fig["failed"])])
+            print("  ".join(rows[-1]), file=sys.stderr, flush=True)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for k, r in enumerate(rows):
+        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip())
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+    for access, xs in summary.items():
+        if xs:
+            print(f"{access}: makespan vs none, median {statistics.median(xs):.2f}x, worst {max(xs):.2f}x "
+                  f"over {len(xs)} workloads")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

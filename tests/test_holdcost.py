@@ -1,0 +1,347 @@
+"""One rule for an idle slot, in the server's own seconds (issue 33, its first step): the cost
+model, computed beside the rules in force, shown in ``status`` and logged.
+
+An idle holder that someone waits for is kept while the idle time spent is below what a switch
+would cost: the re-prefill of the contexts still in use that the waiter's run pushes out of what
+the server keeps, priced at the server's own prefill rate (``prefillMs`` on the usage op, from
+llama.cpp's ``timings.prompt_ms`` or the time to a stream's first token), or at the assumed rate
+until one is reported.  Nothing known of the contexts' sizes: the seed's rule, keep it.
+
+Pinned in the pure core (``hold_cost``, ``HoldCost``): each input's effect, and the guarantee
+that the rule never keeps an idle slot past its switch's cost (ski rental: at most twice the
+hindsight's best).  Through the socket: ``prefillMs`` is accepted and checked; ``status`` shows
+both sides for an idle holder with a waiter, and ``llmqueue status`` says them in words; the log's
+dead spells and hand-overs carry the figures; the proxy reports the server's prefill time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import llmqueue as lq
+from tests.harness import MODULE, short_tmpdir, started, wait_for
+from tests.stub import StubEndpoint
+
+K = "http://127.0.0.1:8001/v1"
+ASSUMED_MS = 1000.0 / lq.ASSUMED_PREFILL_TPS  # ms per token before the server reports a time
+
+
+def record(*reports: tuple, contexts: Optional[int] = None) -> lq._Affinity:
+    """A switch record from usage reports: (session, prefilled, reused[, prefill_ms])."""
+    a = lq._Affinity()
+    for session, prefilled, reused, *ms in reports:
+        a.report(session, prefilled, reused)
+        a.timed(prefilled, ms[0] if ms else None)
+    if contexts is not None:
+        a.contexts = contexts
+    return a
+
+
+def never(session: str) -> bool:
+    return False
+
+
+def always(session: str) -> bool:
+    return True
+
+
+# -- the pure core ---------------------------------------------------------------------------------
+
+
+def test_with_no_context_size_known_the_seeds_rule_stands_keep_the_slot() -> None:
+    for a in (None, record(("X", 100, 0))):
+        cost = lq.hold_cost(a, "auto", "H", "W", always, idle_ms=60_000)
+        assert cost.tokens is None and cost.switch_ms is None and not cost.hand_over
+        assert cost.explain().startswith("keeping: no context sizes reported")
+
+
+def test_where_the_server_keeps_every_context_the_slot_is_handed_over_at_once() -> None:
+    cost = lq.hold_cost(record(("H", 4000, 0)), "cheap", "H", "W", always, idle_ms=0)
+    assert (cost.tokens, cost.switch_ms, cost.hand_over) == (0, 0.0, True)
+    assert cost.explain().startswith("handing over: switching re-prefills nothing")
+
+
+def test_not_knowing_what_the_server_keeps_the_holders_context_is_priced_at_the_assumed_rate() -> None:
+    a = record(("H", 4200, 0))
+    keep = lq.hold_cost(a, "auto", "H", "W", always, idle_ms=1000)
+    assert keep.tokens == 4200 and keep.switch_ms == pytest.approx(4200 * ASSUMED_MS) and not keep.measured
+    assert not keep.hand_over
+    assert keep.explain() == (f"keeping: switching would re-prefill 4.2k tokens, about {4200 * ASSUMED_MS / 1000:.1f} s, "
+                              f"at an assumed {lq.ASSUMED_PREFILL_TPS:.0f} tokens/s (what the server keeps is not known "
+                              "yet: the holder's context is assumed pushed out); idle 1.0 s so far")
+    assert lq.hold_cost(a, "auto", "H", "W", always, idle_ms=4200 * ASSUMED_MS).hand_over
+
+
+def test_the_servers_own_prefill_time_prices_the_switch() -> None:
+    """A GPU that prefills 20k tokens/s re-prefills 4k tokens in 0.2 s: the slot is kept that long,
+    not a CPU's seconds."""
+    a = record(("H", 4000, 0, 200.0), ("X", 6000, 0, 300.0))  # 0.05 ms a token
+    cost = lq.hold_cost(a, "auto", "H", "W", always, idle_ms=150)
+    assert cost.measured and cost.switch_ms == pytest.approx(200.0) and not cost.hand_over
+    assert lq.hold_cost(a, "auto", "H", "W", always, idle_ms=200).hand_over
+    slow = record(("H", 4000, 0, 40_000.0))  # a slow CPU: 10 ms a token
+    assert lq.hold_cost(slow, "auto", "H", "W", always, idle_ms=30_000).switch_ms == pytest.approx(40_000)
+
+
+def test_where_the_server_keeps_so_many_contexts_only_those_in_use_that_the_waiters_run_pushes_out_count() -> None:
+    # the server keeps two contexts; H (the holder) reported last, P before it, W (the waiter) long ago
+    a = record(("W", 3000, 0), ("P", 5000, 0), ("H", 1000, 0), contexts=2)
+    # W's run pushes P out (the least recent of the two kept): it costs P's re-prefill if P is in use
+    in_use = lq.hold_cost(a, "auto", "H", "W", lambda s: s in ("H", "P"), idle_ms=0)
+    assert in_use.tokens == 5000 and "keeps 2 contexts: the waiter's run pushes out 1 still in use" in in_use.why
+    done = lq.hold_cost(a, "auto", "H", "W", lambda s: s == "H", idle_ms=0)
+    assert done.tokens == 0 and done.hand_over  # P is done with: nothing to re-prefill
+    # a waiter whose context is kept pushes nothing out
+    assert lq.hold_cost(a, "auto", "H", "P", always, idle_ms=0).tokens == 0
+    # one context kept: the waiter's run pushes the holder's own out
+    one = record(("W", 3000, 0), ("H", 1000, 0), contexts=1)
+    assert lq.hold_cost(one, "auto", "H", "W", always, idle_ms=0).tokens == 1000
+
+
+@given(tokens=st.integers(0, 10**6), ms_per_token=st.floats(0.001, 100.0),
+       idle=st.floats(0, 10**7), more=st.floats(0, 10**7))
+def test_the_rule_never_keeps_an_idle_slot_past_its_switch_cost(tokens: int, ms_per_token: float,
+                                                                 idle: float, more: float) -> None:
+    """Ski rental: the verdict turns to hand over exactly when the idle time reaches the switch's
+    cost, and stays so; a free switch is handed over at once."""
+    a = record(("H", tokens, 0, tokens * ms_per_token) if tokens else ("H", 0, 0))
+    cost = lq.hold_cost(a, "auto", "H", "W", always, idle)
+    assert cost.switch_ms is not None
+    assert cost.hand_over == (idle >= cost.switch_ms)
+    if cost.hand_over:
+        assert lq.hold_cost(a, "auto", "H", "W", always, idle + more).hand_over
+    if tokens == 0:
+        assert cost.hand_over
+
+
+# -- through the socket ----------------------------------------------------------------------------
+
+
+def acquire(session: str) -> Dict[str, Any]:
+    return {"op": "acquire", "queueKey": K, "sessionKey": session, "role": "parent", "activity": True}
+
+
+def busy(session: str, flag: bool) -> Dict[str, Any]:
+    return {"op": "renew", "queueKey": K, "sessionKey": session, "busy": flag}
+
+
+@pytest.mark.parametrize("value", [-1, "12", True, 1e12, None])
+def test_a_bad_prefill_time_is_refused_by_name_and_costs_nothing(value: Any) -> None:
+    for d in started():
+        p = d.peer()
+        msg = {"op": "usage", "queueKey": K, "sessionKey": "A", "prefilled": 10, "prefillMs": value}
+        reply = p.ask(msg)
+        if value is None:
+            assert reply["op"] == "ok"
+            continue
+        assert reply["op"] == "error" and "prefillMs must be a duration in milliseconds" in reply["reason"]
+        assert p.ask({"op": "acquire", "queueKey": K, "sessionKey": "A"})["op"] == "granted"
+
+
+def test_status_and_the_log_show_both_sides_for_an_idle_holder_that_someone_waits_for() -> None:
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log}}):
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        # the server prefilled A's 2,000 tokens in 1 s: 0.5 ms a token, measured
+        assert a.ask({"op": "usage", "queueKey": K, "sessionKey": "A", "prefilled": 2000, "reused": 0,
+                      "prefillMs": 1000})["op"] == "ok"
+        assert a.ask(busy("A", False))["busy"] is False
+        assert d.queue(K).get("holds") is None  # idle, but nobody waits
+        b.send(acquire("B"))
+        wait_for(lambda: d.waiting(K) == ["B"])
+        (hold,) = d.queue(K)["holds"]
+        assert {k: hold[k] for k in ("sessionKey", "switchTokens", "switchMs", "measured", "rule")} == {
+            "sessionKey": "A", "switchTokens": 2000, "switchMs": 1000, "measured": True, "rule": "keep"}
+        assert hold["explain"].startswith("keeping: switching would re-prefill 2.0k tokens, about 1.0 s (")
+        out = subprocess.run([sys.executable, MODULE, "status", "--agent-dir", d.agent_dir],
+                             capture_output=True, text=True, timeout=30)
+        assert "  idle   A: keeping: switching would re-prefill 2.0k tokens, about 1.0 s" in out.stdout, out.stdout
+        wait_for(lambda: d.queue(K)["holds"][0]["rule"] == "hand over", 5.0)  # idle past 1 s
+        # the rules in force still decide (issue 33's first step): A keeps the slot until it acts
+        assert d.holders(K) == ["A"] and d.waiting(K) == ["B"]
+        assert a.ask(busy("A", True))["busy"] is True  # its spell ends: a dead spell, with the figures
+        (dead,) = wait_for(lambda: [e for e in lq.read_event_log([log]) if e["event"] == "dead"])
+        assert dead["sessionKey"] == "A" and dead["switchTokens"] == 2000 and dead["switchMs"] == 1000
+        assert dead["rule"] == "hand over" and dead["idleMs"] >= 1000
+        # the report adds up the dead time past what the switch would have cost: the rule's saving
+        (figures,) = lq.build_report(lq.read_event_log([log]))["queues"].values()
+        assert figures["deadPricedMs"] == dead["ms"]
+        assert figures["deadPastSwitchMs"] == max(0, dead["ms"] - 1000)
+        assert "of it past what a switch would have cost" in lq.format_report(lq.build_report(lq.read_event_log([log])))
+        usage = [e for e in lq.read_event_log([log]) if e["event"] == "usage"]
+        assert usage[0]["prefillMs"] == 1000
+
+
+def test_a_hand_over_in_the_log_carries_the_rule_at_that_moment() -> None:
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log, "switchCost": "cheap"}}):
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        a.ask({"op": "usage", "queueKey": K, "sessionKey": "A", "prefilled": 500, "reused": 0})
+        b.send(acquire("B"))
+        wait_for(lambda: d.waiting(K) == ["B"])
+        a.send({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True})  # waits on another agent
+        assert b.recv(5.0)["op"] == "granted"
+        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
+                                       if e["event"] == "release" and e["sessionKey"] == "A"])
+        assert release["reason"] == "parked"
+        assert (release["switchTokens"], release["switchMs"], release["rule"]) == (0, 0, "hand over")
+
+
+def test_the_proxy_reports_the_servers_own_prefill_time(stub: StubEndpoint) -> None:
+    from tests.test_proxy import RunningProxy, chat_all
+
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log}}):
+        p = RunningProxy(stub.base, d.agent_dir, grace_ms=50)
+        try:
+            assert chat_all(p.port, "A")[0] == 200  # llama.cpp's timings: prompt_ms 12.5
+            assert chat_all(p.port, "B", "/v1/messages")[0] == 200  # no timings: the first byte's time
+        finally:
+            p.close()
+        usage = wait_for(lambda: [e for e in lq.read_event_log([log]) if e["event"] == "usage"][:2]
+                         if len([e for e in lq.read_event_log([log]) if e["event"] == "usage"]) >= 2 else None)
+        assert usage[0]["prefillMs"] == 12.5
+        assert 0 <= usage[1]["prefillMs"] < 30_000
+
+
+def test_a_session_reports_a_responses_own_accounting_in_one_call() -> None:
+    for d in started():
+        holder = d.peer()
+        assert holder.ask({"op": "acquire", "queueKey": K, "sessionKey": "H"})["op"] == "granted"  # the queue exists
+        client = lq.Client(d.agent_dir, autostart=False)
+        try:
+            client.status()  # connected (a session at work is)
+            session = client.session(K, "A")
+            final_chunk = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                           "timings": {"prompt_n": 900, "cache_n": 100, "prompt_ms": 450.0}}
+            assert session.report(final_chunk) == (900, 100)
+            assert session.report({"choices": []}) is None
+            wait_for(lambda: d.queue(K).get("tokens", {}).get("prefilled") == 900)
+        finally:
+            client.close()
+
+
+# -- holdRule: cost (issue 33's second step: the rule decides, on a queue that asks for it) --------
+
+
+def cost_scheduler(**policy: Any) -> lq.Scheduler:
+    cfg, errors, _ = lq.validate_config({"defaults": dict({"holdRule": "cost"}, **policy)})
+    assert errors == []
+    return lq.Scheduler(lq.Addressing(cfg))
+
+
+def granted(events: List[Any]) -> List[str]:
+    return [e.holder.session for e in events if isinstance(e, lq.Granted) and e.new]
+
+
+def released(events: List[Any]) -> List[tuple]:
+    return [(e.holder.session, e.reason) for e in events if isinstance(e, lq.Released)]
+
+
+def test_hold_rule_is_a_checked_config_field_and_rules_stay_the_default() -> None:
+    assert lq.DEFAULT_POLICY.hold_rule == "rules"
+    _, errors, _ = lq.validate_config({"defaults": {"holdRule": "seconds"}})
+    assert errors == ['defaults.holdRule must be one of rules, cost (got "seconds")']
+
+
+def test_under_the_cost_rule_an_idle_holder_hands_over_when_its_idle_time_reaches_the_switch_cost() -> None:
+    s = cost_scheduler()
+    assert granted(s.acquire("a", K, "A", now=0.0)) == ["A"]
+    s.usage(K, "A", 2000, 0, prefill_ms=1000.0)  # 2,000 tokens at 0.5 ms each: a switch costs 1 s
+    assert s.beat(K, "A", now=100.0, busy=False)  # its request ended: a tool call, say
+    events = s.acquire("b", K, "B", now=300.0)
+    assert granted(events) == [] and released(events) == []  # kept: idle 0 s of B's wait so far
+    due = s.next_deadline()
+    assert due is not None and due <= 300.0 + 1000.0  # the sweep looks again by then
+    assert not granted(s.sweep(now=1299.0))
+    events = s.sweep(now=1300.0)  # B has waited 1 s: what the switch costs
+    assert released(events) == [("A", "idle")] and granted(events) == ["B"]
+    (release,) = [e for e in events if isinstance(e, lq.Released)]
+    assert release.cost is not None and release.cost.switch_ms == pytest.approx(1000.0)
+    assert not s.beat(K, "A", now=1400.0)  # A learns at its next beat, and queues again
+
+
+def test_under_the_cost_rule_a_holder_back_before_the_switch_cost_keeps_its_slot() -> None:
+    s = cost_scheduler()
+    s.acquire("a", K, "A", now=0.0)
+    s.usage(K, "A", 2000, 0, prefill_ms=1000.0)
+    s.beat(K, "A", now=100.0, busy=False)
+    s.acquire("b", K, "B", now=100.0)
+    assert s.beat(K, "A", now=900.0, busy=True)  # back after 0.8 s: the re-prefill was saved
+    assert granted(s.sweep(now=5000.0)) == []
+    assert [h.session for h in s.holders(K)] == ["A"]
+
+
+def test_under_the_cost_rule_a_free_switch_is_handed_over_at_once() -> None:
+    s = cost_scheduler(switchCost="cheap")
+    s.acquire("a", K, "A", now=0.0)
+    s.usage(K, "A", 2000, 0)
+    s.beat(K, "A", now=10.0, busy=False)
+    events = s.acquire("b", K, "B", now=20.0)
+    assert granted(events) == ["B"] and released(events) == [("A", "idle")]
+
+
+def test_under_the_cost_rule_with_no_context_size_known_the_seeds_rule_keeps_the_slot() -> None:
+    s = cost_scheduler()
+    s.acquire("a", K, "A", now=0.0)  # no usage reported
+    s.beat(K, "A", now=10.0, busy=False)
+    s.acquire("b", K, "B", now=20.0)
+    assert granted(s.sweep(now=20_000.0)) == []  # well short of the idle-yield (30 s)
+    assert [h.session for h in s.holders(K)] == ["A"]
+
+
+def test_under_the_cost_rule_the_specs_own_hand_overs_stand() -> None:
+    # a holder parked on another agent (a blocking tool) yields at once, whatever it would cost
+    s = cost_scheduler()
+    s.acquire("a", K, "A", now=0.0)
+    s.usage(K, "A", 2000, 0, prefill_ms=1000.0)
+    s.acquire("b", K, "B", role="child", now=10.0)
+    held, events = s.park(K, "A", now=20.0)
+    assert not held and granted(events) == ["B"] and released(events) == [("A", "parked")]
+    # a subagent between two requests yields to a waiting parent at once
+    s = cost_scheduler()
+    s.acquire("c", K, "C", role="child", now=0.0)
+    s.usage(K, "C", 2000, 0, prefill_ms=1000.0)
+    s.acquire("p", K, "P", now=10.0)
+    held, events = s.handback(K, "C", now=20.0)
+    assert not held and granted(events) == ["P"] and released(events) == [("C", "handback")]
+
+
+def test_under_the_cost_rule_the_spec_order_picks_who_goes_next() -> None:
+    s = cost_scheduler(switchCost="cheap")
+    s.acquire("a", K, "A", now=0.0)
+    s.usage(K, "A", 100, 0)
+    s.acquire("c", K, "C", role="child", now=1.0)
+    s.acquire("p", K, "P", now=2.0)
+    events: List[Any] = []
+    s.beat(K, "A", now=3.0, busy=False)
+    events += s.sweep(now=3.0)
+    assert granted(events) == ["P"]  # the parent before the child that came first
+
+
+def test_under_the_cost_rule_two_waiters_spend_the_switch_cost_twice_as_fast() -> None:
+    """The idle side is the waiters' time: two waiting a spell of 0.5 s have spent 1 s."""
+    s = cost_scheduler()
+    s.acquire("a", K, "A", now=0.0)
+    s.usage(K, "A", 2000, 0, prefill_ms=1000.0)  # a switch costs 1 s
+    s.beat(K, "A", now=100.0, busy=False)
+    s.acquire("b", K, "B", now=100.0)
+    s.acquire("c", K, "C", now=100.0)
+    due = s.next_deadline()
+    assert due is not None and due <= 600.0
+    assert not granted(s.sweep(now=599.0))
+    events = s.sweep(now=600.0)
+    assert released(events) == [("A", "idle")] and granted(events) == ["B"]
+    (release,) = [e for e in events if isinstance(e, lq.Released)]
+    assert release.cost is not None and release.cost.idle_ms == pytest.approx(500.0)
+    assert release.cost.waited_ms == pytest.approx(1000.0)
