@@ -1592,6 +1592,10 @@ class Scheduler:
         # when a queue whose holder kept its slot in a tool-call gap may hand it over after all
         self._gap_heap: list[tuple[float, int, _Queue]] = []
         self._idle_due: set[_Queue] = set()  # queues with idle holders that just got a waiter
+        # ``holdRule: cost``: when a queue's idle holder will have spent its switch's cost.  Kept
+        # to the millisecond (``next_exact``), not to the sweep's tick: on a fast server a switch
+        # costs milliseconds, and a tick of a second would idle the slot for it
+        self._cost_heap: list[tuple[float, int, _Queue]] = []
         self._tick = 0  # heap tie-breaker, and a version: it moves whenever a deadline may have
 
     # -- addressing -------------------------------------------------------------------------------
@@ -1845,8 +1849,7 @@ class Scheduler:
             self._idle(holder, now)
             owner = holder.queue
             if owner.policy.hold_rule == "cost" and owner.waiting:  # the sweep weighs its slot now
-                self._tick += 1
-                heapq.heappush(self._gap_heap, (now, self._tick, owner))
+                self._weigh_at(owner, now)
         return True
 
     def park(self, key: str, session: str, *, now: float, gap: bool = False,
@@ -1989,16 +1992,35 @@ class Scheduler:
     @property
     def deadline_version(self) -> tuple[int, int, int]:
         """Changes whenever ``next_deadline`` may have: the caller re-asks only then."""
-        return (self._tick, len(self._idle_due), len(self._ttl_heap) + len(self._idle_heap) + len(self._gap_heap))
+        return (self._tick, len(self._idle_due),
+                len(self._ttl_heap) + len(self._idle_heap) + len(self._gap_heap) + len(self._cost_heap))
 
     def next_deadline(self) -> Optional[float]:
         """The earliest ``now`` at which ``sweep`` may have work, or None when it has none."""
         if self._idle_due:
             return float("-inf")
-        times = [h[0][0] for h in (self._ttl_heap, self._idle_heap) if h]
-        if self._gap_heap:
-            times.append(self._gap_heap[0][0])
+        times = [h[0][0] for h in (self._ttl_heap, self._idle_heap, self._gap_heap, self._cost_heap) if h]
         return min(times) if times else None
+
+    def next_exact(self) -> Optional[float]:
+        """The earliest deadline that must be kept to the millisecond, not to the next sweep
+        tick: a hand-over's (``holdRule: cost``), or a look again at a slot kept for a context in
+        use (``_recheck_gap``).  A tick is the spec's grain for reclaiming dead clients; a slot
+        someone waits for must not idle to the next one.  None when there is none."""
+        times = [h[0][0] for h in (self._cost_heap, self._gap_heap) if h]
+        return min(times) if times else None
+
+    def _weigh_at(self, q: _Queue, when: float) -> None:
+        """``holdRule: cost``: look at ``q``'s idle holders again at ``when`` (``_cost_refill``)."""
+        self._tick += 1
+        heap = self._cost_heap
+        heapq.heappush(heap, (when, self._tick, q))
+        if len(heap) > 2 * len(self._queues) + 64:  # one entry per queue is enough: its earliest
+            earliest: dict[int, tuple[float, int, _Queue]] = {}
+            for entry in heap:
+                earliest[id(entry[2])] = min(earliest.get(id(entry[2]), entry), entry)
+            heap[:] = list(earliest.values())
+            heapq.heapify(heap)
 
     def sweep(self, *, now: float) -> list[Event]:
         """Two passes.  TTL eviction, unconditional: a lapsed lease is a dead client.  Idle
@@ -2037,8 +2059,14 @@ class Scheduler:
         gaps = self._gap_heap
         while gaps and gaps[0][0] <= now:
             _, _, q = heapq.heappop(gaps)
-            if q.waiting and (q.parked or q.policy.hold_rule == "cost") and self._queues.get(q.key) is q:
+            if q.waiting and q.parked and self._queues.get(q.key) is q:
                 self._refill(q, now, events)  # a context it was kept for may be done with now
+                touched.append(q)
+        weigh = self._cost_heap
+        while weigh and weigh[0][0] <= now:
+            _, _, q = heapq.heappop(weigh)
+            if q.waiting and q.policy.hold_rule == "cost" and self._queues.get(q.key) is q:
+                self._refill(q, now, events)  # an idle holder may have spent its switch's cost
                 touched.append(q)
         for q in sorted(self._idle_due, key=lambda q: q.key):
             while q.waiting and q.idle:
@@ -2527,8 +2555,7 @@ class Scheduler:
                 due = at if due is None else min(due, at)
             if chosen is None:
                 if due is not None:
-                    self._tick += 1
-                    heapq.heappush(self._gap_heap, (due, self._tick, q))
+                    self._weigh_at(q, due)
                 return
             holder, cost = chosen
             if holder.parked and not (holder.gap or holder.turn):
@@ -3677,6 +3704,9 @@ class Daemon:
         tick = self._grid(at, self.sweep_ms)
         if tick - self.sweep_ms >= at:  # ``at`` fell exactly on a tick
             tick -= self.sweep_ms
+        exact = self.scheduler.next_exact()
+        if exact is not None and exact < tick:
+            tick = max(exact, self._now)  # a hand-over priced in milliseconds is kept to them
         self._arm("sweep", tick)
 
     def _poll_ms(self) -> float:

@@ -974,7 +974,7 @@ class LlamaServer:
 # =================================================================================================
 
 ACCESS = ("none", "client", "proxy", "proxy-anon", "client-warm", "proxy-warm", "proxy-anon-warm", "client-again",
-          "proxy-again", "client-cost", "proxy-cost", "proxy-anon-cost")
+          "proxy-again", "client-cost", "proxy-cost", "proxy-anon-cost", "client-warm-cost", "proxy-warm-cost")
 # The accesses whose daemon runs issue 33's one rule for an idle slot (``holdRule: cost``), beside
 # the same accesses on the rules in force: old against new, in one table, in one run.
 COST = "-cost"
@@ -993,10 +993,10 @@ def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: 
              background: bool = True, keep_log: Optional[str] = None) -> Dict[str, Any]:
     """One run of ``pattern`` through ``access_name`` against ``upstream``: its figures.
     ``keep_log``: copy the daemon's event log there (for ``llmqueue report``)."""
-    warm = access_name.endswith("-warm")
     cost = access_name.endswith(COST)
     if cost:
         access_name = access_name[:-len(COST)]
+    warm = access_name.endswith("-warm")
     queue = (Queue(upstream, proxy=access_name.startswith("proxy"), teach=(pattern, wl, salt) if warm else None,
                    defaults={"holdRule": "cost"} if cost else None)
              if access_name != "none" else None)

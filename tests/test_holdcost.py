@@ -329,6 +329,18 @@ def test_under_the_cost_rule_the_spec_order_picks_who_goes_next() -> None:
     assert granted(events) == ["P"]  # the parent before the child that came first
 
 
+def test_under_the_cost_rule_the_hand_over_is_due_to_the_millisecond() -> None:
+    s = cost_scheduler()
+    s.acquire("a", K, "A", now=0.0)
+    s.usage(K, "A", 2000, 0, prefill_ms=1000.0)
+    s.beat(K, "A", now=100.0, busy=False)
+    s.acquire("b", K, "B", now=250.0)
+    assert s.next_exact() == pytest.approx(1250.0)  # B's wait reaches the switch's 1 s then
+    s.beat(K, "A", now=300.0, busy=True)  # A is back: nothing due
+    s.sweep(now=1250.0)
+    assert s.next_exact() is None and [h.session for h in s.holders(K)] == ["A"]
+
+
 def test_under_the_cost_rule_two_waiters_spend_the_switch_cost_twice_as_fast() -> None:
     """The idle side is the waiters' time: two waiting a spell of 0.5 s have spent 1 s."""
     s = cost_scheduler()
@@ -345,3 +357,29 @@ def test_under_the_cost_rule_two_waiters_spend_the_switch_cost_twice_as_fast() -
     (release,) = [e for e in events if isinstance(e, lq.Released)]
     assert release.cost is not None and release.cost.idle_ms == pytest.approx(500.0)
     assert release.cost.waited_ms == pytest.approx(1000.0)
+
+
+@pytest.mark.parametrize("sweep_ms", [20, 10_000])
+def test_through_the_socket_a_cost_rule_queue_hands_an_idle_slot_over_once_the_switch_cost_is_spent(
+        sweep_ms: int) -> None:
+    """The guarantee, with real timers: never kept past the switch's cost (and a generous margin
+    for a loaded machine), and not handed over long before it.  Kept to the millisecond, not to
+    the sweep's tick: with a tick of 10 s, a 0.6 s switch cost is not rounded up to it."""
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"holdRule": "cost", "logFile": log}}, sweep_ms=sweep_ms):
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
+        # 2,000 tokens prefilled in 0.6 s: a switch costs 0.6 s of the server's time
+        a.ask({"op": "usage", "queueKey": K, "sessionKey": "A", "prefilled": 2000, "reused": 0, "prefillMs": 600})
+        assert a.ask(busy("A", False))["busy"] is False
+        asked = time.monotonic()
+        b.send(acquire("B"))
+        assert b.silent(0.3)  # half the switch's cost: kept
+        reply = b.recv(5.0)
+        waited = time.monotonic() - asked
+        assert reply["op"] == "granted" and reply["sessionKey"] == "B"
+        assert 0.5 <= waited < 0.6 + 3.0, waited  # not at the sweep's next tick, up to 10 s on
+        assert a.ask({"op": "renew", "queueKey": K, "sessionKey": "A"})["granted"] is False  # A learns it
+        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
+                                       if e["event"] == "release" and e["sessionKey"] == "A"])
+        assert release["reason"] == "idle" and release["rule"] == "hand over" and release["switchMs"] == 600
