@@ -2063,8 +2063,12 @@ class Scheduler:
                 self._refill(q, now, events)  # a context it was kept for may be done with now
                 touched.append(q)
         weigh = self._cost_heap
-        while weigh and weigh[0][0] <= now:
+        due: list[_Queue] = []
+        while weigh and weigh[0][0] <= now:  # taken first: what the refills push waits for a later sweep
             _, _, q = heapq.heappop(weigh)
+            if q not in due:
+                due.append(q)
+        for q in due:
             if q.waiting and q.policy.hold_rule == "cost" and self._queues.get(q.key) is q:
                 self._refill(q, now, events)  # an idle holder may have spent its switch's cost
                 touched.append(q)
@@ -2371,18 +2375,26 @@ class Scheduler:
             if dead >= 1 and len(self._spells) < 4096:  # the caller drains them after every call
                 self._spells.append(Dead(q.key, holder.session, holder.role, dead, cost))
 
-    def _hold_cost(self, q: _Queue, holder: Holder, now: float, since: Optional[float] = None) -> Optional[HoldCost]:
+    def _hold_cost(self, q: _Queue, holder: Holder, now: float, since: Optional[float] = None,
+                   waited: Optional[bool] = None) -> Optional[HoldCost]:
         """Issue 33's rule for ``holder``'s slot, idle since ``since`` (its idle spell's start),
-        toward the waiter the queue would grant next; None while nobody waits or it is not idle."""
+        toward the waiter the queue would grant next; None while nobody waits or it is not idle.
+        ``waited``: add up every waiter's wait (linear in the waiters: where the rule decides,
+        ``holdRule: cost``, and for ``status``); else the slot's idle time stands for it, so the
+        rules' hot paths, which only log the figures, stay O(log n)."""
         since = holder.idle_since if since is None else since
         nxt = self._pick(q, now)
         if since is None or nxt is None:
             return None
         heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD)) if w is not None]
         idle = max(0.0, now - max(since, min(heads)))
-        waited = sum(max(0.0, now - max(since, w.enqueued_at)) for w in q.waiting.values())
-        return hold_cost(self._affinity.get(q.key), q.policy.switch_cost, holder.session, nxt.session,
-                         lambda session: q.in_use(session, now), idle)._replace(waited_ms=waited)
+        cost = hold_cost(self._affinity.get(q.key), q.policy.switch_cost, holder.session, nxt.session,
+                         lambda session: q.in_use(session, now), idle)
+        if waited is None:
+            waited = q.policy.hold_rule == "cost"
+        if waited:
+            cost = cost._replace(waited_ms=sum(max(0.0, now - max(since, w.enqueued_at)) for w in q.waiting.values()))
+        return cost
 
     def holds(self, q: _Queue, now: float) -> list[tuple[Holder, HoldCost]]:
         """Each idle holder of ``q`` that someone waits for, with issue 33's rule for its slot."""
@@ -2391,7 +2403,7 @@ class Scheduler:
         out = []
         for holder in q.all_holders():
             if holder.idle_since is not None and q.frees_for_waiter(holder):
-                cost = self._hold_cost(q, holder, now)
+                cost = self._hold_cost(q, holder, now, waited=True)
                 if cost is not None:
                     out.append((holder, cost))
         return out
@@ -2552,6 +2564,9 @@ class Scheduler:
                 # when the waiting spent reaches the switch's cost, these waiters waiting on
                 starts = [max(holder.idle_since, w.enqueued_at) for w in q.waiting.values()]
                 at = (cost.switch_ms + sum(starts)) / len(starts) if starts else now + cost.switch_ms
+                if at <= now:  # due already, but for rounding: a look again now would find the same
+                    chosen = (holder, cost)
+                    break
                 due = at if due is None else min(due, at)
             if chosen is None:
                 if due is not None:

@@ -383,3 +383,25 @@ def test_through_the_socket_a_cost_rule_queue_hands_an_idle_slot_over_once_the_s
         (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
                                        if e["event"] == "release" and e["sessionKey"] == "A"])
         assert release["reason"] == "idle" and release["rule"] == "hand over" and release["switchMs"] == 600
+
+
+@given(tokens=st.integers(100, 5000), ms=st.floats(10, 50_000), since=st.floats(1, 1e6),
+       arrivals=st.lists(st.floats(0, 3000), min_size=1, max_size=6))
+def test_under_the_cost_rule_the_sweep_at_the_due_time_hands_over(tokens: int, ms: float, since: float,
+                                                                  arrivals: List[float]) -> None:
+    """The guarantee through the sweep: at the deadline the core gives, the waiters have spent the
+    switch's cost and the slot goes (the deadline's rounding never leaves it looking again forever)."""
+    s = cost_scheduler()
+    s.acquire("a", K, "A", now=0.0)
+    s.usage(K, "A", tokens, 0, prefill_ms=ms)
+    s.beat(K, "A", now=since, busy=False)
+    t = since
+    for i, gap in enumerate(arrivals):
+        t += gap
+        s.acquire(f"c{i}", K, f"W{i}", now=t)
+    due = s.next_exact()
+    if not [h for h in s.holders(K) if h.session == "A"]:
+        return  # handed over already, as a waiter came
+    assert due is not None
+    s.sweep(now=max(due, t))  # (past A's TTL the sweep evicts it instead: the slot goes either way)
+    assert [h.session for h in s.holders(K)] == ["W0"]
