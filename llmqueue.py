@@ -593,6 +593,13 @@ def load_config(path: str) -> ConfigLoad:
     return ConfigLoad("invalid" if errors else "ok", config, tuple(errors), tuple(warnings))
 
 
+def config_log_path(config_path: str, log_file: Optional[str]) -> Optional[str]:
+    """The config's ``logFile`` as a path: relative to the config's folder, ``~`` expanded."""
+    if not log_file:
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(config_path)), os.path.expanduser(log_file))
+
+
 def load_catalog(path: Optional[str]) -> dict[str, str]:
     """pi's models.json as ``{provider name: baseUrl}``; a missing or broken file is empty."""
     return read_catalog(path)[1]
@@ -3815,12 +3822,7 @@ class Daemon:
     def log_path(self) -> Optional[str]:
         """The event log's path: ``--log-file``, else the config's ``logFile`` (relative to the
         config's folder); None when there is none."""
-        if self.log_file:
-            return self.log_file
-        path = self.config.log_file
-        if not path:
-            return None
-        return os.path.join(os.path.dirname(os.path.abspath(self.config_path)), os.path.expanduser(path))
+        return self.log_file or config_log_path(self.config_path, self.config.log_file)
 
     def _flush_log(self) -> None:
         """Append this turn's event lines.  Best effort: every failure is swallowed, because
@@ -5316,6 +5318,7 @@ class Identity(NamedTuple):
     conversation: Optional[str] = None  # the fingerprint, when the body was read
     person: bool = False  # the request carries a person's words (``person_turn``)
     continued: bool = False  # the request goes on after a reply of the model (``continues``)
+    length: int = 0  # its conversation's length (``conversation_length``), when the body was read
 
 
 # Fields a client sets afresh on each request of one conversation, which say nothing of its
@@ -5508,9 +5511,10 @@ def proxy_identity(headers: dict[str, str], body: bytes, *, session: Optional[st
     tier = role if role is not None else ("child" if marked else None)
     person = parsed is not None and not marked and person_turn(parsed)
     continued = parsed is not None and continues(parsed)
+    length = conversation_length(parsed)
 
     def found(key: str, source: str) -> Identity:
-        return Identity(key, tier, source, conversation, person, continued)
+        return Identity(key, tier, source, conversation, person, continued, length)
 
     if session:
         return found(session, "explicit")
@@ -5538,7 +5542,7 @@ def proxy_identity(headers: dict[str, str], body: bytes, *, session: Optional[st
             return found("user:" + user, "user")
     if "fingerprint" in sources and conversation is not None:
         return found("conv:" + conversation, "fingerprint")
-    return Identity(None, tier, "none", conversation, person)
+    return Identity(None, tier, "none", conversation, person, length=length)
 
 
 # -- what the server says it prefilled -------------------------------------------------------------
@@ -6328,8 +6332,7 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
             whose = " (a person's session)" if interactive else " (no person in sight)" if background else ""
             proxy.log(f"{self.command} {path}: session {ident.session or '(its own)'} as {role}{whose}, "
                       f"from {ident.source}")
-            length = conversation_length(_json_body(body, {k.lower(): v for k, v in self.headers.items()})) \
-                if ident.session is not None and ident.session.startswith("conv:") else 0
+            length = ident.length
             try:
                 ps = proxy.begin(ident.session, role, self.connection, interactive, background, length)
             except DaemonUnavailable as e:
@@ -7545,10 +7548,7 @@ def _find_log(agent_dir: str, config_path: str) -> Optional[str]:
             return logged
     except (OSError, ValueError):
         pass
-    path = load_config(config_path).config.log_file
-    if not path:
-        return None
-    return os.path.join(os.path.dirname(os.path.abspath(config_path)), os.path.expanduser(path))
+    return config_log_path(config_path, load_config(config_path).config.log_file)
 
 
 def _cmd_report(argv: list[str]) -> int:
