@@ -38,7 +38,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from json.encoder import encode_basestring_ascii as _json_str  # the C string encoder
-from typing import IO, TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import IO, TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 if TYPE_CHECKING:  # the commands import it when they run: the daemon's start does without
     import argparse
@@ -522,10 +522,15 @@ def _read_small_file(path: str) -> bytes:
 Depths = Dict[str, Tuple[List[int], Optional[int]]]  # per queue: its returns' depths, the contexts learned
 
 
-def encode_state(kept: dict[str, list[float]], at: dict[str, float], depths: Optional[Depths] = None) -> bytes:
+Rooms = Dict[str, Tuple[Optional[int], Optional[int]]]  # per queue: the tokens the server keeps, at least and below
+
+
+def encode_state(kept: dict[str, list[float]], at: dict[str, float], depths: Optional[Depths] = None,
+                 rooms: Optional[Rooms] = None) -> bytes:
     """The agent dir's state file: per queue, its latest returns' kept shares and when the
-    last of them came (epoch seconds), and (additive) each return's depth and the number of
-    contexts the server was found to keep."""
+    last of them came (epoch seconds), and (additive) each return's depth, the number of
+    contexts the server was found to keep, and the tokens it keeps (``room``, at least;
+    ``roomCap``, fewer than)."""
     queues: dict[str, dict[str, Any]] = {}
     for key, shares in kept.items():
         entry: dict[str, Any] = {"kept": [round(k, 4) for k in shares], "at": round(at.get(key, 0.0), 3)}
@@ -534,6 +539,11 @@ def encode_state(kept: dict[str, list[float]], at: dict[str, float], depths: Opt
             entry["depths"] = list(deep)
         if contexts is not None:
             entry["contexts"] = contexts
+        room, cap = (rooms or {}).get(key, (None, None))
+        if room is not None:
+            entry["room"] = room
+        if cap is not None:
+            entry["roomCap"] = cap
         queues[key] = entry
     return json.dumps({"version": 1, "affinity": queues}, sort_keys=True).encode() + b"\n"
 
@@ -573,6 +583,23 @@ def decode_state(raw: bytes, wall: float) -> tuple[dict[str, list[float]], dict[
             depths[key] = (counts if whole and len(counts) == len(good) else [],
                            contexts if contexts is not None and 1 <= contexts <= MAX_DEPTH else None)
     return kept, at, depths
+
+
+def decode_rooms(raw: bytes, wall: float) -> Rooms:
+    """The state file's ``room`` and ``roomCap`` per queue (``encode_state``), for the queues
+    ``decode_state`` takes; anything malformed is left out."""
+    kept, _, _ = decode_state(raw, wall)
+    rooms: Rooms = {}
+    try:
+        queues = _DECODER.decode(raw.decode("utf-8")).get("affinity")
+        for key, entry in queues.items():
+            if normalize_url(key) in kept and isinstance(entry, dict):
+                room, cap = _count(entry.get("room")), _count(entry.get("roomCap"))
+                if (room, cap) != (None, None) and (room is None or cap is None or room < cap):
+                    rooms[normalize_url(key)] = (room, cap)
+    except (ValueError, UnicodeDecodeError, RecursionError, AttributeError):
+        pass
+    return rooms
 
 
 def load_config(path: str) -> ConfigLoad:
@@ -881,7 +908,7 @@ class Holder:
     __slots__ = (
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
         "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
-        "idle_since", "dead_ms", "spare", "handback", "gap", "turn", "background",
+        "idle_since", "dead_ms", "spare", "handback", "gap", "turn", "background", "waited_ms",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
@@ -922,6 +949,9 @@ class Holder:
         # the time it held the slot so while someone waited for it.
         self.idle_since: Optional[float] = None
         self.dead_ms = 0.0
+        # The waiters' time its closed idle spells cost, added up over its whole tenure: the rent
+        # issue 33's rule weighs against one switch (``HoldCost.before_ms``).
+        self.waited_ms = 0.0
 
     @property
     def expires_at(self) -> float:
@@ -1120,7 +1150,7 @@ class _Affinity:
     share kept by each return after a switch, and at what depth."""
 
     __slots__ = ("last", "prompts", "kept", "back", "depths", "contexts", "floor", "returns", "probed",
-                 "probed_at", "prober", "rates")
+                 "probed_at", "prober", "rates", "room", "room_cap")
 
     def __init__(self) -> None:
         self.last: Optional[str] = None
@@ -1142,6 +1172,36 @@ class _Affinity:
         self.prober: Optional[str] = None  # the session that gave way then: its return tells
         # the server's prefill, as it timed it: (tokens, ms) of the latest reports that said both
         self.rates: deque[tuple[int, float]] = deque(maxlen=RATE_SAMPLES)
+        # What the server keeps, in tokens, as the returns show it (``learn_room``): at least
+        # ``room`` (None: no return was kept yet), fewer than ``room_cap`` (None: none evicted).
+        self.room: Optional[int] = None
+        self.room_cap: Optional[int] = None
+
+    def learn_room(self, tokens: int, kept: bool) -> None:
+        """A return after a switch: the session's context and every other one reported since came
+        to ``tokens`` in all, and the server kept it (it keeps at least that many) or not (fewer).
+        Where the two bounds disagree, the later return wins: contexts grow, and a server's cache
+        is shared with what the queue does not see."""
+        if kept:
+            self.room = max(self.room or 0, tokens)
+            if self.room_cap is not None and self.room_cap <= self.room:
+                self.room_cap = None
+        else:
+            self.room_cap = tokens if self.room_cap is None else min(self.room_cap, tokens)
+            if self.room is not None and self.room >= self.room_cap:
+                self.room = None
+
+    def since(self, session: str) -> Optional[int]:
+        """The tokens of the contexts reported since ``session``'s own last report, each at its
+        latest size (None: more than ``MAX_DEPTH`` of them, or ``session`` never reported)."""
+        total = 0
+        for depth, other in enumerate(reversed(self.prompts)):
+            if other == session:
+                return total
+            if depth == MAX_DEPTH:
+                return None
+            total += self.prompts[other]
+        return None
 
     def timed(self, prefilled: int, prefill_ms: Optional[float]) -> None:
         """A report's prefill time (``prefillMs``): how fast the server prefills, measured."""
@@ -1162,6 +1222,7 @@ class _Affinity:
         reported since its own last report (its depth).  ``whole``: the two counts are the whole
         prompt (both were given); a report of one of them alone cannot say it is shorter."""
         depth = self.depth(session) if one_slot else 1
+        others = self.since(session) if one_slot else None
         before = self.prompts.pop(session, None)
         kept = None
         # A conversation's prompt only grows (its last prompt, the reply, what came since), so a
@@ -1176,6 +1237,8 @@ class _Affinity:
             self.contexts = learned_contexts([kept], [depth], self.contexts)
             self.floor = contexts_floor([kept], [depth], self.contexts, self.floor)
             self.returns += 1
+            if others is not None and whole:
+                self.learn_room(before + others, kept >= KEPT_CHEAP)
         self.prompts[session] = prefilled + reused
         while len(self.prompts) > 1024:
             self.prompts.popitem(last=False)
@@ -1229,10 +1292,12 @@ class HoldCost(NamedTuple):
     it over makes the server re-prefill ``tokens`` of contexts still in use, which the waiter's run
     pushes out of what the server keeps (the holder's own, or another's), for ``switch_ms``;
     keeping it costs the waiters' time: ``waited_ms``, each waiter's wait within the idle spell,
-    added up (``idle_ms``, the slot's idle time while someone waited, where it is not given).  The
-    rule (ski rental): hand over once the waiting spent reaches the switch's cost, and at once
-    where the switch is free.  Whatever the gap, that spends at most twice what the best choice in
-    hindsight would have.  ``switch_ms`` None: nothing is known of the contexts' sizes (no usage
+    added up (``idle_ms``, the slot's idle time while someone waited, where it is not given), plus
+    ``before_ms``, what the holder's earlier idle spells of the same tenure cost so (the rent is
+    paid across gaps: a holder whose every tool call is shorter than the switch's cost keeps a
+    waiter out no longer than that cost in all).  The rule (ski rental): hand over once the
+    waiting spent reaches the switch's cost, and at once where the switch is free.  Whatever the
+    gaps, that spends at most twice what the best choice in hindsight would have.  ``switch_ms`` None: nothing is known of the contexts' sizes (no usage
     reported), and the seed's rule stands: the slot is kept to the idle-yield.  ``measured``:
     priced at the server's own prefill rate, else at ``ASSUMED_PREFILL_TPS``.  The rules in force
     decide, unless the queue's ``holdRule`` is ``cost``; either way ``status`` shows it, and the
@@ -1244,10 +1309,11 @@ class HoldCost(NamedTuple):
     measured: bool
     why: str
     waited_ms: Optional[float] = None
+    before_ms: float = 0.0
 
     @property
     def spent_ms(self) -> float:
-        return self.idle_ms if self.waited_ms is None else self.waited_ms
+        return self.before_ms + (self.idle_ms if self.waited_ms is None else self.waited_ms)
 
     @property
     def hand_over(self) -> bool:
@@ -1259,6 +1325,8 @@ class HoldCost(NamedTuple):
                                "switchTokens": self.tokens,
                                "switchMs": None if self.switch_ms is None else round(self.switch_ms),
                                "measured": self.measured, "rule": "hand over" if self.hand_over else "keep"}
+        if self.before_ms:
+            out["waitedBeforeMs"] = round(self.before_ms)
         return out
 
     def explain(self) -> str:
@@ -1266,6 +1334,8 @@ class HoldCost(NamedTuple):
         idle = f"idle {self.idle_ms / 1000:.1f} s so far"
         if self.waited_ms is not None and round(self.waited_ms / 100) != round(self.idle_ms / 100):
             idle += f", {self.waited_ms / 1000:.1f} s of waiting"
+        if self.before_ms:
+            idle += f", {self.before_ms / 1000:.1f} s more in its earlier gaps"
         if self.switch_ms is None:
             return f"keeping: {self.why}; {idle}"
         if self.tokens == 0:
@@ -1280,33 +1350,52 @@ def _tokens(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
 
 
+def _fits(order: Iterable[str], sizes: Mapping[str, int], room: int) -> list[str]:
+    """The sessions of ``order`` (the latest first) whose contexts fit in ``room`` tokens, added up
+    in that order: the ones a server keeps, least recently used leaving first."""
+    out: list[str] = []
+    for session in order:
+        room -= sizes[session]
+        if room < 0:
+            break
+        out.append(session)
+    return out
+
+
 def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: Optional[str],
               in_use: Callable[[str], bool], idle_ms: float) -> HoldCost:
     """What handing ``holder``'s idle slot to ``waiter`` costs (``HoldCost``), from the queue's
-    switch record: each session's context size (its last prompt), the contexts the server keeps
-    (``_Affinity.contexts``, learned from the returns), and its prefill rate.  ``in_use``: whether
-    a session's context will be needed again.  Pure."""
-    cost = affinity.cost(setting) if affinity is not None else switch_cost((), setting)
+    switch record: each session's context size (its last prompt), what the server keeps, in
+    tokens, as the returns showed it (``_Affinity.room``), and its prefill rate.  The server is
+    taken to keep the most recently used contexts that fit in that room (the waiter's first, as
+    its run loads it; a waiter never seen counts as the median context); every context in use
+    beyond it is re-prefilled.  ``in_use``: whether a session's context will be needed again.
+    ``setting``: the queue's ``switchCost``, where a person said it (``cheap``: free; ``dear``:
+    the holder's context).  Pure."""
     rate = affinity.ms_per_token() if affinity is not None else None
     measured = rate is not None
     per_token = rate if rate is not None else 1000.0 / ASSUMED_PREFILL_TPS
-    if cost == "cheap":
-        return HoldCost(idle_ms, 0, 0.0, measured, "the server keeps the contexts of sessions that step away")
+    if setting == "cheap":
+        return HoldCost(idle_ms, 0, 0.0, measured, "switchCost is cheap")
     prompts = affinity.prompts if affinity is not None else {}
     if holder not in prompts:
         return HoldCost(idle_ms, None, None, False, "no context sizes reported, so a switch is dear")
-    room = affinity.contexts if affinity is not None else None
-    if room is None:  # no eviction seen: nothing says how much the server keeps
+    room = affinity.room if affinity is not None and setting == "auto" else None
+    if room is None:  # no return was kept: nothing says the server keeps more than the waiter's
         tokens = prompts[holder]
-        why = "what the server keeps is not known yet: the holder's context is assumed pushed out"
+        why = ("switchCost is dear" if setting == "dear" else
+               "what the server keeps is not known yet: the holder's context is assumed pushed out")
     else:
-        assert affinity is not None
-        order = [s for s in affinity.resident(room) if s != waiter]  # kept now, the latest first
-        if waiter is not None:
-            order.insert(0, waiter)
-        pushed = [s for s in order[room:] if in_use(s)]
-        tokens = sum(prompts.get(s, 0) for s in pushed)
-        why = (f"the server keeps {room} context{'s' if room != 1 else ''}: the waiter's run pushes out "
+        kept = _fits(reversed(prompts), prompts, room)  # kept now: the latest that fit
+        if waiter in kept:  # its run brings back a context the server keeps: nothing leaves
+            pushed: list[int] = []
+        else:
+            known = sorted(prompts.values())
+            first = prompts.get(waiter, known[len(known) // 2]) if waiter is not None else 0
+            after = _fits(reversed(prompts), prompts, room - first)
+            pushed = [prompts[s] for s in kept if s not in after and in_use(s)]
+        tokens = sum(pushed)
+        why = (f"the server keeps {_tokens(room)} tokens of contexts: the waiter's run pushes out "
                f"{len(pushed)} still in use")
     return HoldCost(idle_ms, tokens, tokens * per_token, measured, why)
 
@@ -1807,13 +1896,21 @@ class Scheduler:
         """The depths of ``affinity_kept()``'s returns, per queue, and the contexts learned there."""
         return {key: a.saved_depths() for key, a in self._affinity.items() if a.kept}
 
+    def affinity_rooms(self) -> Rooms:
+        """The tokens the server keeps, per queue of ``affinity_kept()``: at least, and fewer than."""
+        return {key: (a.room, a.room_cap) for key, a in self._affinity.items() if a.kept}
+
     def seed_affinity(self, kept: dict[str, list[float]],
-                      depths: Optional[dict[str, tuple[list[int], Optional[int]]]] = None) -> None:
-        """What an earlier daemon learned (``affinity_kept``, and ``affinity_depths``): each
-        queue's returns, older than any of its own, so a switch cost is known before anyone comes
-        back.  A return of unknown depth counts at depth 1 (an eviction there: a dear switch)."""
+                      depths: Optional[dict[str, tuple[list[int], Optional[int]]]] = None,
+                      rooms: Optional[Rooms] = None) -> None:
+        """What an earlier daemon learned (``affinity_kept``, ``affinity_depths`` and
+        ``affinity_rooms``): each queue's returns, older than any of its own, so a switch cost is
+        known before anyone comes back.  A return of unknown depth counts at depth 1 (an eviction
+        there: a dear switch)."""
         for key, shares in kept.items():
             affinity = self._affinity.pop(key, None) or _Affinity()
+            if affinity.room is None and affinity.room_cap is None:  # its own returns are later: they win
+                affinity.room, affinity.room_cap = (rooms or {}).get(key, (None, None))
             own, own_back, own_depths = list(affinity.kept), list(affinity.back), list(affinity.depths)
             seeded = list(shares)[-KEPT_SAMPLES:]
             known, contexts = (depths or {}).get(key, ([], None))
@@ -2374,6 +2471,8 @@ class Scheduler:
         dead = now - max(since, min(heads))
         if dead > 0:
             cost = self._hold_cost(q, holder, now, since)
+            if cost is not None:
+                holder.waited_ms += cost.spent_ms - cost.before_ms
             holder.dead_ms += dead
             q.dead_ms += dead
             q.dead_by_session[holder.session] = q.dead_by_session.pop(holder.session, 0.0) + dead
@@ -2401,7 +2500,7 @@ class Scheduler:
             waited = q.policy.hold_rule == "cost"
         if waited:
             cost = cost._replace(waited_ms=sum(max(0.0, now - max(since, w.enqueued_at)) for w in q.waiting.values()))
-        return cost
+        return cost._replace(before_ms=holder.waited_ms)
 
     def holds(self, q: _Queue, now: float) -> list[tuple[Holder, HoldCost]]:
         """Each idle holder of ``q`` that someone waits for, with issue 33's rule for its slot."""
@@ -2570,8 +2669,9 @@ class Scheduler:
                     break
                 # when the waiting spent reaches the switch's cost, these waiters waiting on
                 starts = [max(holder.idle_since, w.enqueued_at) for w in q.waiting.values()]
-                at = (cost.switch_ms + sum(starts)) / len(starts) if starts else now + cost.switch_ms
-                if at <= now:  # due already, but for rounding: a look again now would find the same
+                left = cost.switch_ms - cost.before_ms
+                at = (left + sum(starts)) / len(starts) if starts else now + left
+                if at <= now + 1e-6:  # due already, but for rounding: a look again now would find the same
                     chosen = (holder, cost)
                     break
                 due = at if due is None else min(due, at)
@@ -3527,13 +3627,14 @@ class Daemon:
         except OSError:
             return  # none yet (or unusable): learn afresh
         kept, self._state_at, depths = decode_state(raw, time.time())
-        self.scheduler.seed_affinity(kept, depths)
+        self.scheduler.seed_affinity(kept, depths, decode_rooms(raw, time.time()))
 
     def _save_state(self) -> None:
         """Write what was learned, atomically (a temporary file renamed over the state file), so
         the next daemon starts from it.  A failure is said once and costs nothing else."""
         kept = self.scheduler.affinity_kept()
-        data = encode_state(kept, {k: self._state_at.get(k, 0.0) for k in kept}, self.scheduler.affinity_depths())
+        data = encode_state(kept, {k: self._state_at.get(k, 0.0) for k in kept}, self.scheduler.affinity_depths(),
+                            self.scheduler.affinity_rooms())
         tmp = f"{self.state_path}.{os.getpid()}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)

@@ -34,14 +34,15 @@ K = "http://127.0.0.1:8001/v1"
 ASSUMED_MS = 1000.0 / lq.ASSUMED_PREFILL_TPS  # ms per token before the server reports a time
 
 
-def record(*reports: tuple, contexts: Optional[int] = None) -> lq._Affinity:
-    """A switch record from usage reports: (session, prefilled, reused[, prefill_ms])."""
+def record(*reports: tuple, room: Optional[int] = None) -> lq._Affinity:
+    """A switch record from usage reports: (session, prefilled, reused[, prefill_ms]); ``room``:
+    the tokens the server is known to keep."""
     a = lq._Affinity()
     for session, prefilled, reused, *ms in reports:
         a.report(session, prefilled, reused)
         a.timed(prefilled, ms[0] if ms else None)
-    if contexts is not None:
-        a.contexts = contexts
+    if room is not None:
+        a.room = room
     return a
 
 
@@ -91,19 +92,46 @@ def test_the_servers_own_prefill_time_prices_the_switch() -> None:
     assert lq.hold_cost(slow, "auto", "H", "W", always, idle_ms=30_000).switch_ms == pytest.approx(40_000)
 
 
-def test_where_the_server_keeps_so_many_contexts_only_those_in_use_that_the_waiters_run_pushes_out_count() -> None:
-    # the server keeps two contexts; H (the holder) reported last, P before it, W (the waiter) long ago
-    a = record(("W", 3000, 0), ("P", 5000, 0), ("H", 1000, 0), contexts=2)
-    # W's run pushes P out (the least recent of the two kept): it costs P's re-prefill if P is in use
+def test_where_the_server_keeps_so_many_tokens_only_contexts_in_use_that_the_waiters_run_pushes_out_count() -> None:
+    # the server keeps 6,500 tokens; H (the holder) reported last, P before it, W (the waiter) long
+    # ago: H and P are kept (6,000), W is not
+    a = record(("W", 3000, 0), ("P", 5000, 0), ("H", 1000, 0), room=6500)
+    # W's run (3,000) leaves room for H only: it pushes P out, which costs P's re-prefill if P is in use
     in_use = lq.hold_cost(a, "auto", "H", "W", lambda s: s in ("H", "P"), idle_ms=0)
-    assert in_use.tokens == 5000 and "keeps 2 contexts: the waiter's run pushes out 1 still in use" in in_use.why
+    assert in_use.tokens == 5000 and "keeps 6.5k tokens of contexts: the waiter's run pushes out 1 still in use" in in_use.why
     done = lq.hold_cost(a, "auto", "H", "W", lambda s: s == "H", idle_ms=0)
     assert done.tokens == 0 and done.hand_over  # P is done with: nothing to re-prefill
     # a waiter whose context is kept pushes nothing out
     assert lq.hold_cost(a, "auto", "H", "P", always, idle_ms=0).tokens == 0
-    # one context kept: the waiter's run pushes the holder's own out
-    one = record(("W", 3000, 0), ("H", 1000, 0), contexts=1)
+    # room for one context: the waiter's run pushes the holder's own out
+    one = record(("W", 3000, 0), ("H", 1000, 0), room=3500)
     assert lq.hold_cost(one, "auto", "H", "W", always, idle_ms=0).tokens == 1000
+    # room for every context in use: the switch is free
+    assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=4000), "auto", "H", "W", always, 0).hand_over
+    # a waiter never seen counts as the median context (3,000 here): it pushes the holder out
+    assert lq.hold_cost(one, "auto", "H", "N", always, idle_ms=0).tokens == 1000
+    # the queue's switchCost, where someone set it, stands: dear prices the holder's context
+    assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=4000), "dear", "H", "W", always, 0).tokens == 1000
+
+
+def test_what_the_server_keeps_is_learned_in_tokens_from_the_returns() -> None:
+    """A session back on the slot after others ran: its context and theirs, in tokens, were kept
+    (the server keeps at least that) or not (it keeps less).  The later of two that disagree wins."""
+    a = record(("A", 1000, 0), ("B", 2000, 0))
+    assert a.room is None and a.room_cap is None  # no return yet: nothing known
+    a.report("A", 100, 1000)  # A back, all 1,000 kept, after B's 2,000
+    assert (a.room, a.room_cap) == (3000, None)
+    a.report("C", 4000, 0)
+    a.report("A", 1200, 0)  # A (1,100) back after C (4,000): evicted
+    assert (a.room, a.room_cap) == (3000, 5100)
+    a.report("B", 100, 2000)  # B (2,000) back after C (4,000) and A (now 1,200): kept
+    assert (a.room, a.room_cap) == (7200, None)  # it kept more than the eviction said: that cap goes
+    a.report("A", 3500, 0)  # A (1,200) evicted after B (2,100) alone: less than the room said
+    assert (a.room, a.room_cap) == (None, 3300)
+    # a shorter prompt is a new conversation: it tells nothing
+    b = record(("A", 1000, 0), ("B", 2000, 0))
+    b.report("A", 10, 0)
+    assert (b.room, b.room_cap) == (None, None)
 
 
 @given(tokens=st.integers(0, 10**6), ms_per_token=st.floats(0.001, 100.0),
@@ -357,6 +385,39 @@ def test_under_the_cost_rule_two_waiters_spend_the_switch_cost_twice_as_fast() -
     (release,) = [e for e in events if isinstance(e, lq.Released)]
     assert release.cost is not None and release.cost.idle_ms == pytest.approx(500.0)
     assert release.cost.waited_ms == pytest.approx(1000.0)
+
+
+def test_under_the_cost_rule_the_waiting_spent_adds_up_over_the_holders_gaps() -> None:
+    """The rent is paid across gaps: a holder whose every tool call is shorter than the switch's
+    cost keeps a waiter out no longer than that cost, in all."""
+    s = cost_scheduler()
+    s.acquire("a", K, "A", now=0.0)
+    s.usage(K, "A", 2000, 0, prefill_ms=1000.0)  # a switch costs 1 s
+    s.beat(K, "A", now=100.0, busy=False)
+    s.acquire("b", K, "B", now=100.0)
+    assert s.beat(K, "A", now=700.0, busy=True)  # back after 0.6 s of B's wait: kept
+    s.beat(K, "A", now=800.0, busy=False)  # its next gap: 0.4 s of the switch's cost is left
+    while True:  # the sweep's looks before then (some were set in the first gap) hand nothing over
+        due = s.next_exact()
+        assert due is not None
+        if due >= 1199.0:
+            break
+        assert not granted(s.sweep(now=due))
+    assert due == pytest.approx(1200.0)
+    assert not granted(s.sweep(now=1199.0))
+    events = s.sweep(now=1200.0)
+    assert released(events) == [("A", "idle")] and granted(events) == ["B"]
+    (release,) = [e for e in events if isinstance(e, lq.Released)]
+    assert release.cost is not None and release.cost.before_ms == pytest.approx(600.0)
+    assert release.cost.spent_ms == pytest.approx(1000.0)
+    assert release.cost.fields()["waitedBeforeMs"] == 600
+    assert "0.6 s more in its earlier gaps" in release.cost.explain()
+    # the next holder's rent starts from nothing
+    s.usage(K, "B", 2000, 0, prefill_ms=1000.0)
+    s.acquire("a", K, "A", now=1300.0)
+    s.beat(K, "B", now=1400.0, busy=False)
+    assert not granted(s.sweep(now=2399.0))
+    assert granted(s.sweep(now=2400.0)) == ["A"]
 
 
 @pytest.mark.parametrize("sweep_ms", [20, 10_000])

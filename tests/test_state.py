@@ -150,3 +150,43 @@ def test_what_a_daemon_learns_itself_outweighs_what_it_was_seeded_with() -> None
     s.usage(K, "B", 1000, 0)
     assert s.usage(K, "A", 1010, 0).switch_cost == "dear"  # its own eviction, newer than the seed
     assert s.affinity_kept() == {K: [1.0, 1.0, 1.0, 0.0]}
+
+
+def test_the_tokens_the_server_keeps_outlive_the_daemon() -> None:
+    """Issue 33: what the server keeps, learned in tokens from the returns, is in the state file,
+    and the next daemon prices a switch by it before anyone comes back."""
+    agent_dir = short_tmpdir()
+    try:
+        with DaemonProc(agent_dir) as d:
+            d.start()
+            learn(d, kept=True)  # A (1,000) back after B (1,000); B back after A (now 1,010)
+            wait_for(lambda: os.path.exists(os.path.join(agent_dir, lq.STATE_FILE))
+                     and state_of(agent_dir)["affinity"][K].get("room") == 2010)
+        with DaemonProc(agent_dir) as d:
+            d.start()
+            a, w = d.peer(), d.peer()
+            assert a.ask({"op": "acquire", "queueKey": K, "sessionKey": "A", "activity": True})["op"] == "granted"
+            assert a.ask(usage("A", 500, 0))["op"] == "ok"
+            assert a.ask({"op": "usage", "queueKey": K, "sessionKey": "W", "prefilled": 500, "reused": 0})["op"] == "ok"
+            assert a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "busy": False})["busy"] is False
+            w.send({"op": "acquire", "queueKey": K, "sessionKey": "W"})
+            wait_for(lambda: d.waiting(K) == ["W"])
+            (hold,) = d.queue(K)["holds"]
+            # both contexts (1,000 tokens) fit in the 2,010 it kept: the switch is free
+            assert hold["switchTokens"] == 0 and "keeps 2.0k tokens" in hold["explain"], hold
+    finally:
+        shutil.rmtree(agent_dir, ignore_errors=True)
+
+
+def test_the_tokens_kept_round_trip_and_a_bad_entry_is_left_out() -> None:
+    now = 1_800_000_000.0
+    data = lq.encode_state({"a": [1.0], "b": [0.0], "c": [1.0]}, {"a": now, "b": now, "c": now},
+                           rooms={"a": (3000, None), "b": (None, 5000), "c": (None, None)})
+    assert lq.decode_rooms(data, now) == {"a": (3000, None), "b": (None, 5000)}
+    bad = json.dumps({"version": 1, "affinity": {
+        "a": {"kept": [1.0], "at": now, "room": "many"},
+        "b": {"kept": [1.0], "at": now, "room": 5000, "roomCap": 4000},  # bounds that disagree
+        "c": {"kept": [1.0], "at": now - 8 * 86400, "room": 100},  # too old
+        "d": {"kept": [1.0], "at": now, "roomCap": 100}}}).encode()
+    assert lq.decode_rooms(bad, now) == {"d": (None, 100)}
+    assert lq.decode_rooms(b"\xff", now) == {} and lq.decode_rooms(b"[]", now) == {}
