@@ -138,6 +138,7 @@ PROBE_AGAIN_MS = 10_000
 
 ROLES = ("parent", "child")  # wire names of the tiers, in grant order
 PARENT, CHILD = 0, 1
+REQUEST_SAMPLES = 16  # the recent request times per tier whose median a person's wait is priced at
 POLICIES = ("priority-aging", "fifo")
 # What a switch of the slot costs on the queue's server: "auto" learns it from the usage op (a
 # session back on the slot after another finds its context kept, or not); "cheap" (the server
@@ -873,10 +874,13 @@ class LeaseTerms(NamedTuple):
 #   - a holder is only ever removed by release, cancel, disconnect, TTL lapse, idle yield, or
 #     -- when it said it is parked (waiting on another agent) -- by a waiter's arrival;
 #   - one rule for an idle slot (issue 33, ``HoldCost``): a holder with nothing in flight that
-#     someone waits for keeps its slot while the waiters' time spent is below what a switch costs
-#     (the re-prefill, at the server's measured rate, of the contexts still in use that the
-#     waiter's run pushes out), and hands it over then: at most twice the hindsight's best (ski
-#     rental).  Nothing known of the contexts' sizes: kept, to the idle-yield.  It decides where
+#     someone waits for keeps its slot while the waiters' time spent in its idle spells (added up
+#     over its tenure) is below what a switch costs, and hands it over then: at most twice the
+#     hindsight's best (ski rental).  A switch costs the re-prefill, at the server's measured
+#     rate, of the contexts still in use that the waiter's run pushes out of what the server keeps
+#     (learned in tokens from the returns), and, for a person between turns, the wait behind a
+#     subagent's request they would come back to, counted as much as all the waiters' together.
+#     Nothing known of the contexts' sizes: kept, to the idle-yield.  It decides where
 #     ``holdRule`` is ``cost``; elsewhere the rules below decide and it is shown beside them.
 # Costs: every operation is O(log n) in waiters and holders (heaps with lazy deletion), except
 # ``status`` (linear in what it reports) and ``reconfigure`` (a rebuild).
@@ -908,7 +912,7 @@ class Holder:
     __slots__ = (
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
         "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
-        "idle_since", "dead_ms", "spare", "handback", "gap", "turn", "background", "waited_ms",
+        "idle_since", "dead_ms", "spare", "handback", "gap", "turn", "background", "waited_ms", "busy_since",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
@@ -952,6 +956,7 @@ class Holder:
         # The waiters' time its closed idle spells cost, added up over its whole tenure: the rent
         # issue 33's rule weighs against one switch (``HoldCost.before_ms``).
         self.waited_ms = 0.0
+        self.busy_since: Optional[float] = now  # its request in flight began then (None: none is)
 
     @property
     def expires_at(self) -> float:
@@ -1310,14 +1315,22 @@ class HoldCost(NamedTuple):
     why: str
     waited_ms: Optional[float] = None
     before_ms: float = 0.0
+    behind_ms: float = 0.0  # a person between turns: how long they would wait behind the waiter's request
+    weight: int = 1  # and their wait counts as much as every waiter's together: this many
 
     @property
     def spent_ms(self) -> float:
         return self.before_ms + (self.idle_ms if self.waited_ms is None else self.waited_ms)
 
     @property
+    def threshold_ms(self) -> Optional[float]:
+        """The waiting to spend before the slot goes: the switch's cost, and a person's wait."""
+        return None if self.switch_ms is None else self.switch_ms + self.weight * self.behind_ms
+
+    @property
     def hand_over(self) -> bool:
-        return self.switch_ms is not None and self.spent_ms >= self.switch_ms
+        threshold = self.threshold_ms
+        return threshold is not None and self.spent_ms >= threshold
 
     def fields(self) -> dict[str, Any]:
         """The figures for a log line or a status entry."""
@@ -1327,6 +1340,8 @@ class HoldCost(NamedTuple):
                                "measured": self.measured, "rule": "hand over" if self.hand_over else "keep"}
         if self.before_ms:
             out["waitedBeforeMs"] = round(self.before_ms)
+        if self.behind_ms:
+            out["personWaitMs"] = round(self.behind_ms)
         return out
 
     def explain(self) -> str:
@@ -1338,10 +1353,13 @@ class HoldCost(NamedTuple):
             idle += f", {self.before_ms / 1000:.1f} s more in its earlier gaps"
         if self.switch_ms is None:
             return f"keeping: {self.why}; {idle}"
-        if self.tokens == 0:
-            return f"handing over: switching re-prefills nothing ({self.why}); {idle}"
-        price = "" if self.measured else f", at an assumed {ASSUMED_PREFILL_TPS:.0f} tokens/s"
+        if self.behind_ms:
+            idle = (f"a person thinks, and would wait about {self.behind_ms / 1000:.1f} s behind the waiter's "
+                    f"request, counted as much as every waiter's wait; {idle}")
         verdict = "handing over" if self.hand_over else "keeping"
+        if self.tokens == 0:
+            return f"{verdict}: switching re-prefills nothing ({self.why}); {idle}"
+        price = "" if self.measured else f", at an assumed {ASSUMED_PREFILL_TPS:.0f} tokens/s"
         return (f"{verdict}: switching would re-prefill {_tokens(self.tokens or 0)} tokens, about "
                 f"{self.switch_ms / 1000:.1f} s{price} ({self.why}); {idle}")
 
@@ -1426,7 +1444,7 @@ class _Queue:
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
         "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents", "resumers",
-        "gaps", "named_children", "away", "thinking", "thinks", "people",
+        "gaps", "named_children", "away", "thinking", "thinks", "people", "requests",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -1453,6 +1471,10 @@ class _Queue:
         self.handback_yields = 0  # slots holders between two requests handed over (``handback``)
         self.evictions = 0
         self.dead_ms = 0.0  # held with no request in flight while someone waited (closed spells)
+        # how long its holders' requests took, latest last, per tier (a holder's busy spells):
+        # what a person back from their thought waits behind one (``Scheduler._hold_cost``)
+        self.requests: tuple[deque[float], deque[float]] = (deque(maxlen=REQUEST_SAMPLES),
+                                                             deque(maxlen=REQUEST_SAMPLES))
         self.dead_by_session: OrderedDict[str, float] = OrderedDict()  # the same, the last 64 sessions
         # sessions whose next acquire with ``resume`` queues ahead of their tier: a child that
         # gave its slot to a parent (its context is the warmest), and the holder that gave way in
@@ -1552,6 +1574,19 @@ class _Queue:
             return True
         since = self.thinking.get(session)
         return since is not None and now - since <= self.think_ms()
+
+    def needed(self, session: str, now: float) -> bool:
+        """Issue 33's rule: whether ``session``'s context will be needed again.  It holds or
+        waits; or it gave its slot up between two requests, or its person's turn is over, and it
+        has neither come back nor said it is done (a release) since: no longer ago than a lease's
+        TTL, what a client that died may cost (its tool call's or its person's time is not
+        guessed)."""
+        if session in self.holders or session in self.waiting:
+            return True
+        ttl = self.policy.lease_ttl_ms
+        away = self.away.get(session)
+        since = self.thinking.get(session)
+        return (away is not None and now - away[0] <= ttl) or (since is not None and now - since <= ttl)
 
     def in_use_until(self, session: str) -> Optional[float]:
         """When a context given up in a gap, or a person's between turns, stops being in use."""
@@ -2449,6 +2484,9 @@ class Scheduler:
         """The holder has no request in flight from ``now`` (it said so, or it parked)."""
         if holder.idle_since is None:
             holder.idle_since = now
+        if holder.busy_since is not None:
+            holder.queue.requests[holder.role].append(now - holder.busy_since)
+            holder.busy_since = None
 
     def _busy(self, holder: Holder, now: float) -> None:
         """The holder's idle spell ends at ``now``: the part of it during which someone waited
@@ -2458,6 +2496,7 @@ class Scheduler:
         if since is None:
             return
         holder.idle_since = None
+        holder.busy_since = now
         q = holder.queue
         # who could have used the slot: anyone for a slot of max_streams, a parent that asked for
         # one for a spare stream
@@ -2494,12 +2533,20 @@ class Scheduler:
             return None
         heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD)) if w is not None]
         idle = max(0.0, now - max(since, min(heads)))
+        decides = q.policy.hold_rule == "cost"
         cost = hold_cost(self._affinity.get(q.key), q.policy.switch_cost, holder.session, nxt.session,
-                         lambda session: q.in_use(session, now), idle)
+                         lambda session: q.needed(session, now), idle)
         if waited is None:
-            waited = q.policy.hold_rule == "cost"
+            waited = decides
         if waited:
             cost = cost._replace(waited_ms=sum(max(0.0, now - max(since, w.enqueued_at)) for w in q.waiting.values()))
+        if holder.turn and holder.persons and nxt.role == CHILD:
+            # a person thinks: handed over, they come back to a subagent's request in flight, and
+            # wait for it (a subagent yields to them at its next request's end); their wait
+            # counts as much as all the agents' waits together
+            times = sorted(q.requests[CHILD] or q.requests[PARENT])
+            if times:
+                cost = cost._replace(behind_ms=times[len(times) // 2], weight=len(q.waiting) if waited else 1)
         return cost._replace(before_ms=holder.waited_ms)
 
     def holds(self, q: _Queue, now: float) -> list[tuple[Holder, HoldCost]]:
@@ -2520,6 +2567,8 @@ class Scheduler:
         return list(spells)
 
     def _drop_lease(self, holder: Holder, event: Event, events: list[Event], now: float) -> None:
+        if isinstance(event, Released) and event.reason == "release" and holder.busy_since is not None:
+            holder.queue.requests[holder.role].append(now - holder.busy_since)  # a request's end
         self._busy(holder, now)  # before a waiter is granted: it waited until now
         holder.held = False
         self._held -= 1
@@ -2669,7 +2718,7 @@ class Scheduler:
                     break
                 # when the waiting spent reaches the switch's cost, these waiters waiting on
                 starts = [max(holder.idle_since, w.enqueued_at) for w in q.waiting.values()]
-                left = cost.switch_ms - cost.before_ms
+                left = (cost.threshold_ms or 0.0) - cost.before_ms
                 at = (left + sum(starts)) / len(starts) if starts else now + left
                 if at <= now + 1e-6:  # due already, but for rounding: a look again now would find the same
                     chosen = (holder, cost)

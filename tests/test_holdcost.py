@@ -310,6 +310,23 @@ def test_under_the_cost_rule_a_holder_back_before_the_switch_cost_keeps_its_slot
     assert [h.session for h in s.holders(K)] == ["A"]
 
 
+def test_under_the_cost_rule_a_context_given_up_in_a_gap_is_needed_until_it_comes_back_or_is_done() -> None:
+    """Not guessed from how long tool calls took: needed until its session comes back, says it is
+    done (a release), or a lease's TTL has passed (what a client that died may cost)."""
+    s = cost_scheduler(leaseTtlMs=30_000)
+    s.acquire("a", K, "A", now=0.0)
+    s.usage(K, "A", 2000, 0, prefill_ms=1000.0)
+    s.beat(K, "A", now=100.0, busy=False)
+    s.acquire("b", K, "B", now=100.0)
+    assert granted(s.sweep(now=1100.0)) == ["B"]  # A gave its slot up in its gap
+    q = s._queues[K]
+    assert q.needed("A", 20_000.0)  # a tool call of 20 s: still needed
+    assert not q.needed("A", 1100.0 + 30_001)  # past a TTL: a client that died costs no more
+    s.release(K, "A", now=21_000.0)  # its run is over
+    assert not q.needed("A", 21_001.0)
+    assert q.needed("B", 21_001.0)  # the holder's, of course
+
+
 def test_under_the_cost_rule_a_free_switch_is_handed_over_at_once() -> None:
     s = cost_scheduler(switchCost="cheap")
     s.acquire("a", K, "A", now=0.0)
@@ -418,6 +435,52 @@ def test_under_the_cost_rule_the_waiting_spent_adds_up_over_the_holders_gaps() -
     s.beat(K, "B", now=1400.0, busy=False)
     assert not granted(s.sweep(now=2399.0))
     assert granted(s.sweep(now=2400.0)) == ["A"]
+
+
+def test_under_the_cost_rule_a_thinking_persons_wait_counts_as_much_as_the_agents_waits() -> None:
+    """A person between turns, a subagent waiting: handed over, the person comes back to the
+    subagent's request in flight and waits for it (the median of the subagents' request times
+    here).  Their wait counts as much as all the waiters' together: the slot goes once the
+    waiting spent reaches the switch's cost plus that wait for every waiter."""
+    s = cost_scheduler()
+    s.acquire("c", K, "C", role="child", now=0.0)
+    s.beat(K, "C", now=2000.0, busy=False)  # a subagent's request took 2 s
+    s.release(K, "C", now=2100.0)
+    s.acquire("p", K, "P", now=3000.0)
+    s.usage(K, "P", 2000, 0, prefill_ms=1000.0)  # the person's context: a switch costs 1 s
+    held, _ = s.park(K, "P", now=3500.0, turn=True)  # their turn is over: they think
+    assert held
+    s.acquire("w", K, "W", role="child", now=3500.0)
+    holds = s.holds(s._queues[K], 4000.0)
+    (hold,) = [c for _, c in holds]
+    assert hold.behind_ms == pytest.approx(2000.0)  # the subagents' requests (the person's took 0.5 s)
+    assert hold.threshold_ms == pytest.approx(3000.0)
+    assert "a person thinks, and would wait about" in hold.explain() and hold.fields()["personWaitMs"] > 0
+    assert not granted(s.sweep(now=3500.0 + hold.threshold_ms - 1))
+    assert granted(s.sweep(now=3500.0 + hold.threshold_ms)) == ["W"]
+    # two subagents waiting: each waits the same time for it, and so the person's wait counts twice
+    s = cost_scheduler()
+    s.acquire("c", K, "C", role="child", now=0.0)
+    s.beat(K, "C", now=2000.0, busy=False)
+    s.release(K, "C", now=2100.0)
+    s.acquire("p", K, "P", now=3000.0)
+    s.usage(K, "P", 2000, 0, prefill_ms=1000.0)
+    s.park(K, "P", now=3500.0, turn=True)
+    s.acquire("w", K, "W", role="child", now=3500.0)
+    s.acquire("v", K, "V", role="child", now=3500.0)
+    (hold,) = [c for _, c in s.holds(s._queues[K], 3500.0)]
+    assert hold.weight == 2 and hold.threshold_ms == pytest.approx(1000.0 + 2 * hold.behind_ms)
+    # the same slot idle between a parent's requests (no person's turn over): the switch's cost alone
+    s = cost_scheduler()
+    s.acquire("c", K, "C", role="child", now=0.0)
+    s.beat(K, "C", now=2000.0, busy=False)
+    s.release(K, "C", now=2100.0)
+    s.acquire("p", K, "P", now=3000.0)
+    s.usage(K, "P", 2000, 0, prefill_ms=1000.0)
+    s.beat(K, "P", now=3500.0, busy=False)
+    s.acquire("w", K, "W", role="child", now=3500.0)
+    (hold,) = [c for _, c in s.holds(s._queues[K], 3500.0)]
+    assert hold.behind_ms == 0 and hold.threshold_ms == pytest.approx(1000.0)
 
 
 @pytest.mark.parametrize("sweep_ms", [20, 10_000])

@@ -1,0 +1,51 @@
+"""Issue 33, old against new in the simulator, as token counts (the slow suite): the agents of
+``bench/agents.py``'s delegate pattern under pressure (the host cache holds about one of their
+contexts beside the slot's), straight to the server, through the rules in force, and through the
+one cost rule (``holdRule: cost``), each on a fresh simulated server and a fresh daemon.
+
+The figures asserted are the server's own prefill counts, with generous margins: the hand-over
+times follow the wall clock, so a loaded machine moves them a little.  Speed is the
+benchmark's (``bench/family.py``), not a test's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Dict
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
+
+import family  # noqa: E402
+
+
+def run(case: family.Case, access: str) -> Dict[str, Any]:
+    fig = family.run_case(case, access, f"ci{case.name}")
+    assert fig["failed"] == 0, (access, fig)
+    return fig
+
+
+@pytest.mark.slow
+def test_under_pressure_the_queue_prefills_less_than_the_server_alone_and_the_cost_rule_least() -> None:
+    case = family.Case("cpu", "pressure", "const", 3)
+    none, rules, cost = (run(case, a) for a in ("none", "client", "client-cost"))
+    # the same conversations: the oracle (what a server that never evicts prefills) is one figure
+    assert none["oracle"] == rules["oracle"] == cost["oracle"]
+    # the server alone re-prefills about every context at every request (2.5x the oracle here)
+    assert none["prefill"] >= 2 * none["oracle"]
+    # the rules in force hand the slot over at every gap: about 1.6x the oracle
+    assert rules["prefill"] <= 0.8 * none["prefill"]
+    # the cost rule pays a re-prefill only where the waiting spent has reached it: about 1.2x
+    assert cost["prefill"] <= 1.45 * cost["oracle"]
+    assert cost["prefill"] <= rules["prefill"]
+
+
+@pytest.mark.slow
+def test_where_every_context_fits_nothing_is_prefilled_twice_whoever_decides() -> None:
+    case = family.Case("cpu", "fit", "const", 3)
+    for access in ("none", "client", "client-cost", "client-warm-cost"):
+        fig = run(case, access)
+        assert fig["prefill"] <= 1.05 * fig["oracle"], (access, fig)
