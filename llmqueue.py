@@ -38,7 +38,8 @@ import threading
 import time
 from collections import OrderedDict, deque
 from json.encoder import encode_basestring_ascii as _json_str  # the C string encoder
-from typing import IO, TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (IO, TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence,
+                    Tuple, Union)
 
 if TYPE_CHECKING:  # the commands import it when they run: the daemon's start does without
     import argparse
@@ -523,7 +524,7 @@ def _read_small_file(path: str) -> bytes:
 Depths = Dict[str, Tuple[List[int], Optional[int]]]  # per queue: its returns' depths, the contexts learned
 
 
-Rooms = Dict[str, Tuple[Optional[int], Optional[int]]]  # per queue: the tokens the server keeps, at least and below
+Rooms = Dict[str, Tuple[Optional[int], Optional[int]]]  # per queue: the tokens the server keeps (at least, below)
 
 
 def encode_state(kept: dict[str, list[float]], at: dict[str, float], depths: Optional[Depths] = None,
@@ -1302,9 +1303,12 @@ class HoldCost(NamedTuple):
     paid across gaps: a holder whose every tool call is shorter than the switch's cost keeps a
     waiter out no longer than that cost in all).  The rule (ski rental): hand over once the
     waiting spent reaches the switch's cost, and at once where the switch is free.  Whatever the
-    gaps, that spends at most twice what the best choice in hindsight would have.  ``switch_ms`` None: nothing is known of the contexts' sizes (no usage
-    reported), and the seed's rule stands: the slot is kept to the idle-yield.  ``measured``:
-    priced at the server's own prefill rate, else at ``ASSUMED_PREFILL_TPS``.  The rules in force
+    gaps, that spends at most twice what the best choice in hindsight would have.  ``switch_ms``
+    None: nothing is known of the contexts' sizes (no usage reported), and the seed's rule stands:
+    the slot is kept to the idle-yield.  ``measured``: priced at the server's own prefill rate, else
+    at ``ASSUMED_PREFILL_TPS``.  For a person between turns and a subagent waiting, the switch
+    also costs the person's wait behind its request (``behind_ms``), counted ``weight`` times (as
+    much as every waiter's together): the threshold is ``threshold_ms``.  The rules in force
     decide, unless the queue's ``holdRule`` is ``cost``; either way ``status`` shows it, and the
     log's hand-overs and dead spells carry it."""
 
@@ -1386,8 +1390,8 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
     switch record: each session's context size (its last prompt), what the server keeps, in
     tokens, as the returns showed it (``_Affinity.room``), and its prefill rate.  The server is
     taken to keep the most recently used contexts that fit in that room (the waiter's first, as
-    its run loads it; a waiter never seen counts as the median context); every context in use
-    beyond it is re-prefilled.  ``in_use``: whether a session's context will be needed again.
+    its run loads it; a waiter never seen counts as the median context); every needed context it
+    then pushes out of that room is re-prefilled.  ``in_use``: whether a session's context will be needed again.
     ``setting``: the queue's ``switchCost``, where a person said it (``cheap``: free; ``dear``:
     the holder's context).  Pure."""
     rate = affinity.ms_per_token() if affinity is not None else None
