@@ -1374,9 +1374,10 @@ def _tokens(n: int) -> str:
 
 def _fits(order: Iterable[str], sizes: Mapping[str, int], room: int) -> list[str]:
     """The sessions of ``order`` (the latest first) whose contexts fit in ``room`` tokens, added up
-    in that order: the ones a server keeps, least recently used leaving first."""
+    in that order: the ones a server keeps, least recently used leaving first (``MAX_DEPTH`` of
+    them at most: an older one counts as gone, whatever the room)."""
     out: list[str] = []
-    for session in order:
+    for session in itertools.islice(order, MAX_DEPTH):
         room -= sizes[session]
         if room < 0:
             break
@@ -1412,10 +1413,10 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
         if waiter in kept:  # its run brings back a context the server keeps: nothing leaves
             pushed: list[int] = []
         else:
-            known = sorted(prompts.values())
-            first = prompts.get(waiter, known[len(known) // 2]) if waiter is not None else 0
-            after = _fits(reversed(prompts), prompts, room - first)
-            pushed = [prompts[s] for s in kept if s not in after and in_use(s)]
+            recent = sorted(itertools.islice(reversed(prompts.values()), MAX_DEPTH))
+            first = prompts.get(waiter, recent[len(recent) // 2]) if waiter is not None else 0
+            after = _fits(reversed(prompts), prompts, room - first)  # a prefix of ``kept``
+            pushed = [prompts[s] for s in kept[len(after):] if in_use(s)]
         tokens = sum(pushed)
         why = (f"the server keeps {_tokens(room)} tokens of contexts: the waiter's run pushes out "
                f"{len(pushed)} still in use")
@@ -1581,10 +1582,11 @@ class _Queue:
 
     def needed(self, session: str, now: float) -> bool:
         """Issue 33's rule: whether ``session``'s context will be needed again.  It holds or
-        waits; or it gave its slot up between two requests, or its person's turn is over, and it
-        has neither come back nor said it is done (a release) since: no longer ago than a lease's
-        TTL, what a client that died may cost (its tool call's or its person's time is not
-        guessed)."""
+        waits; or it gave its slot up between two requests and has neither come back nor said it
+        is done (a release) since; or its person's turn is over and they have not come back (a
+        release does not end a person's thought: their client lets the slot go after its grace).
+        Either no longer ago than a lease's TTL, what a client that died may cost (a tool call's
+        or a person's time is not guessed)."""
         if session in self.holders or session in self.waiting:
             return True
         ttl = self.policy.lease_ttl_ms
@@ -2068,7 +2070,7 @@ class Scheduler:
             return []
         q.came_back(session)
         events: list[Event] = []
-        if q.waiting and q.parked:
+        if q.waiting and (q.parked or q.policy.hold_rule == "cost"):  # a switch may be free now
             self._refill(q, now, events)
             self._settle(q)
         return events

@@ -3,6 +3,7 @@
 
     python3 bench/family.py                  # every workload, none / client / client-cost
     python3 bench/family.py --only cpu-pressure-heavy-3 --access none,client,client-cost,proxy,proxy-cost
+    python3 bench/family.py --pattern interactive     # a person beside subagents, on the same family
 
 One table, one run: for each workload, the agents of ``bench/agents.py``'s *delegate* pattern
 (a parent makes two requests, parks while its subagents run four requests each, answers once
@@ -68,14 +69,14 @@ FAMILY = [Case(*c) for c in (
 )]
 
 
-def run_case(case: Case, access: str, salt: str) -> Dict[str, Any]:
-    wl = BASE._replace(children=case.children, **TOOLS[case.tools])
+def run_case(case: Case, access: str, salt: str, pattern: str = "delegate") -> Dict[str, Any]:
+    wl = BASE._replace(children=case.children, turns=5, think_s=1.5, limit_s=60.0, **TOOLS[case.tools])
     context = wl.context_tokens()
     host = context * (case.children + 2) * 2 if case.cache == "fit" else int(context * 1.2)
     server = SERVERS[case.server]
     with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=host, prefill_ms=server.prefill_ms,
                decode_ms=server.decode_ms) as sim:
-        fig = agents.run_once("delegate", access, sim.url, wl, salt)
+        fig = agents.run_once(pattern, access, sim.url, wl, salt)
     fig.pop("request_log", None)
     return fig
 
@@ -90,15 +91,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="comma list of bench/agents.py accesses (default: none,client,client-cost)")
     ap.add_argument("--only", help="comma list of workload names (default: the whole family)")
     ap.add_argument("--salt", default="fam")
+    ap.add_argument("--pattern", choices=("delegate", "interactive"), default="delegate",
+                    help="interactive: a person's five turns, 1.5 s of thought before each, beside subagents "
+                         "running jobs of four requests; adds the person's first-token p50 and the "
+                         "subagents' requests (default: delegate)")
     args = ap.parse_args(argv)
     accesses = args.access.split(",")
     cases = [c for c in FAMILY if not args.only or c.name in args.only.split(",")]
-    rows = [["workload", "access", "makespan s", "vs none", "prefill vs oracle", "dead %", "failed"]]
+    person = args.pattern == "interactive"
+    rows = [["workload", "access", "makespan s", "vs none", "prefill vs oracle", "dead %", "failed"]
+            + (["person p50 s", "subagent requests"] if person else [])]
     summary: Dict[str, List[float]] = {a: [] for a in accesses}
     for case in cases:
         base: Optional[float] = None
         for access in accesses:
-            fig = run_case(case, access, f"{args.salt}{case.name}")
+            fig = run_case(case, access, f"{args.salt}{case.name}", args.pattern)
             makespan = fig["makespan_s"]
             if access == "none":
                 base = makespan
@@ -107,7 +114,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             dead = fig.get("dead_s")
             rows.append([case.name, access, f"{makespan:.2f}", ratio(makespan, base),
                          ratio(fig["prefill"], fig["oracle"]),
-                         "-" if dead is None else f"{100 * dead / makespan:.0f}", str(fig["failed"])])
+                         "-" if dead is None else f"{100 * dead / makespan:.0f}", str(fig["failed"])]
+                        + ([f"{fig['parent_ttft_p50']:.2f}", str(fig["bg_requests"])] if person else []))
             print("  ".join(rows[-1]), file=sys.stderr, flush=True)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for k, r in enumerate(rows):

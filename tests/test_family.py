@@ -40,7 +40,7 @@ def test_under_pressure_the_queue_prefills_less_than_the_server_alone_and_the_co
     assert rules["prefill"] <= 0.8 * none["prefill"]
     # the cost rule pays a re-prefill only where the waiting spent has reached it: about 1.2x
     assert cost["prefill"] <= 1.45 * cost["oracle"]
-    assert cost["prefill"] <= rules["prefill"]
+    assert cost["prefill"] <= 1.1 * rules["prefill"]  # (1.19x against 1.58x measured: a wide margin)
 
 
 @pytest.mark.slow

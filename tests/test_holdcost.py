@@ -108,7 +108,7 @@ def test_where_the_server_keeps_so_many_tokens_only_contexts_in_use_that_the_wai
     assert lq.hold_cost(one, "auto", "H", "W", always, idle_ms=0).tokens == 1000
     # room for every context in use: the switch is free
     assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=4000), "auto", "H", "W", always, 0).hand_over
-    # a waiter never seen counts as the median context (3,000 here): it pushes the holder out
+    # a waiter never seen counts as the middle of the known sizes (3,000 here): it pushes the holder out
     assert lq.hold_cost(one, "auto", "H", "N", always, idle_ms=0).tokens == 1000
     # the queue's switchCost, where someone set it, stands: dear prices the holder's context
     assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=4000), "dear", "H", "W", always, 0).tokens == 1000
@@ -325,6 +325,41 @@ def test_under_the_cost_rule_a_context_given_up_in_a_gap_is_needed_until_it_come
     s.release(K, "A", now=21_000.0)  # its run is over
     assert not q.needed("A", 21_001.0)
     assert q.needed("B", 21_001.0)  # the holder's, of course
+
+
+def test_under_the_cost_rule_a_release_that_frees_a_context_hands_the_slot_over_at_once() -> None:
+    """W holds idle, X waits, and X's run would push out P's context, which P gave up in a tool
+    call: kept for it.  P's run ends (a release): nothing needed is pushed out now, so the slot
+    goes then, not at the deadline set while P's context counted."""
+    s = cost_scheduler(leaseTtlMs=30_000)
+    s.usage(K, "X", 1000, 0, prefill_ms=1000.0)
+    s.acquire("p", K, "P", role="child", now=0.0)
+    s.usage(K, "P", 2000, 0, prefill_ms=2000.0)
+    s.beat(K, "P", now=100.0, busy=False)  # P in a tool call
+    s.acquire("w", K, "W", role="child", now=100.0)
+    assert granted(s.sweep(now=2100.0)) == ["W"]  # P's 2 s switch paid for by W's wait
+    s.usage(K, "W", 1000, 0, prefill_ms=1000.0)
+    s._affinity_of(K).room = 3000  # W and P fit; X's run pushes P out
+    s.beat(K, "W", now=2200.0, busy=False)
+    s.acquire("x", K, "X", role="child", now=2200.0)
+    ((_, hold),) = s.holds(s._queues[K], 2200.0)
+    assert hold.tokens == 2000 and not hold.hand_over
+    events = s.release(K, "P", now=2300.0)  # P is done: its context is needed no more
+    assert granted(events) == ["X"] and released(events) == [("W", "idle")]
+
+
+@given(switch=st.floats(0, 1e6), before=st.floats(0, 1e6), idle=st.floats(0, 1e6), more=st.floats(0, 1e6),
+       behind=st.floats(0, 1e5), weight=st.integers(1, 8))
+def test_the_threshold_is_the_switch_and_the_persons_wait_and_the_rent_counts_toward_it(
+        switch: float, before: float, idle: float, more: float, behind: float, weight: int) -> None:
+    """The guarantee with every term: hand over exactly when the waiting spent in all (earlier
+    gaps and this one) reaches the switch's cost plus a person's wait counted ``weight`` times,
+    and stay so as the spell goes on."""
+    cost = lq.HoldCost(idle, 100, switch, True, "", before_ms=before, behind_ms=behind, weight=weight)
+    assert cost.threshold_ms == switch + weight * behind
+    assert cost.hand_over == (before + idle >= switch + weight * behind)
+    if cost.hand_over:
+        assert cost._replace(idle_ms=idle + more).hand_over
 
 
 def test_under_the_cost_rule_a_free_switch_is_handed_over_at_once() -> None:
