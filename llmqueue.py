@@ -1392,8 +1392,8 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
     tokens, as the returns showed it (``_Affinity.room``), and its prefill rate.  The server is
     taken to keep the most recently used contexts that fit in that room (the waiter's first, as
     its run loads it; a waiter never seen counts as the median context); every needed context it
-    then pushes out of that room is re-prefilled.  ``in_use``: whether a session's context will be needed again.
-    ``setting``: the queue's ``switchCost``, where a person said it (``cheap``: free; ``dear``:
+    then pushes out of that room is re-prefilled.  ``in_use``: whether a session's context will be
+    needed again.  ``setting``: the queue's ``switchCost``, where a person said it (``cheap``: free; ``dear``:
     the holder's context).  Pure."""
     rate = affinity.ms_per_token() if affinity is not None else None
     measured = rate is not None
@@ -2157,10 +2157,16 @@ class Scheduler:
 
     def _weigh_at(self, q: _Queue, when: float) -> None:
         """``holdRule: cost``: look at ``q``'s idle holders again at ``when`` (``_cost_refill``)."""
+        self._look_at(self._cost_heap, q, when)
+
+    def _look_at(self, heap: list[tuple[float, int, _Queue]], q: _Queue, when: float) -> None:
+        """Push a look again at ``q`` at ``when`` onto ``heap`` (its stale entries dropped lazily).
+        One entry per queue is enough, its earliest: each look sets the next one (a person's
+        think time may end long after a tool call's, so the latest could skip the nearer); past
+        twice the queues, the heap is compacted to that."""
         self._tick += 1
-        heap = self._cost_heap
         heapq.heappush(heap, (when, self._tick, q))
-        if len(heap) > 2 * len(self._queues) + 64:  # one entry per queue is enough: its earliest
+        if len(heap) > 2 * len(self._queues) + 64:
             earliest: dict[int, tuple[float, int, _Queue]] = {}
             for entry in heap:
                 earliest[id(entry[2])] = min(earliest.get(id(entry[2]), entry), entry)
@@ -2722,7 +2728,7 @@ class Scheduler:
                 if cost.hand_over:
                     chosen = (holder, cost)
                     break
-                # when the waiting spent reaches the switch's cost, these waiters waiting on
+                # when the waiting spent reaches the threshold, every waiter waiting on from now
                 starts = [max(holder.idle_since, w.enqueued_at) for w in q.waiting.values()]
                 left = (cost.threshold_ms or 0.0) - cost.before_ms
                 at = (left + sum(starts)) / len(starts) if starts else now + left
@@ -2774,17 +2780,7 @@ class Scheduler:
         times = [t for t in times if t > now]  # an away context past its time is in use no longer
         if not times:
             return
-        when = min(times)
-        self._tick += 1
-        heapq.heappush(self._gap_heap, (when, self._tick, q))
-        if len(self._gap_heap) > 2 * len(self._queues) + 64:
-            # one entry per queue is enough, its earliest: each look sets the next one (a person's
-            # think time may end long after a tool call's, so the latest could skip the nearer)
-            earliest: dict[int, tuple[float, int, _Queue]] = {}
-            for entry in self._gap_heap:
-                earliest[id(entry[2])] = min(earliest.get(id(entry[2]), entry), entry)
-            self._gap_heap[:] = list(earliest.values())
-            heapq.heapify(self._gap_heap)
+        self._look_at(self._gap_heap, q, min(times))
 
     def _gap_target(self, q: _Queue, nxt: Optional[Waiter], now: float,
                     done: Optional[str] = None) -> Optional[Waiter]:

@@ -472,47 +472,45 @@ def test_under_the_cost_rule_the_waiting_spent_adds_up_over_the_holders_gaps() -
     assert granted(s.sweep(now=2400.0)) == ["A"]
 
 
+def person_after_a_subagent(turn: bool) -> lq.Scheduler:
+    """A subagent's request took 2 s and it is done; then P (a person's parent, a 2,000-token
+    context: a switch costs 1 s) made a request of 0.5 s and is idle from 3.5 s: its turn over
+    (``turn``, a park), or between two requests (``busy: false``)."""
+    s = cost_scheduler()
+    s.acquire("c", K, "C", role="child", now=0.0)
+    s.beat(K, "C", now=2000.0, busy=False)
+    s.release(K, "C", now=2100.0)
+    s.acquire("p", K, "P", now=3000.0)
+    s.usage(K, "P", 2000, 0, prefill_ms=1000.0)
+    if turn:
+        held, _ = s.park(K, "P", now=3500.0, turn=True)
+        assert held
+    else:
+        s.beat(K, "P", now=3500.0, busy=False)
+    return s
+
+
 def test_under_the_cost_rule_a_thinking_persons_wait_counts_as_much_as_the_agents_waits() -> None:
     """A person between turns, a subagent waiting: handed over, the person comes back to the
     subagent's request in flight and waits for it (the median of the subagents' request times
     here).  Their wait counts as much as all the waiters' together: the slot goes once the
     waiting spent reaches the switch's cost plus that wait for every waiter."""
-    s = cost_scheduler()
-    s.acquire("c", K, "C", role="child", now=0.0)
-    s.beat(K, "C", now=2000.0, busy=False)  # a subagent's request took 2 s
-    s.release(K, "C", now=2100.0)
-    s.acquire("p", K, "P", now=3000.0)
-    s.usage(K, "P", 2000, 0, prefill_ms=1000.0)  # the person's context: a switch costs 1 s
-    held, _ = s.park(K, "P", now=3500.0, turn=True)  # their turn is over: they think
-    assert held
+    s = person_after_a_subagent(turn=True)
     s.acquire("w", K, "W", role="child", now=3500.0)
-    holds = s.holds(s._queues[K], 4000.0)
-    (hold,) = [c for _, c in holds]
+    (hold,) = [c for _, c in s.holds(s._queues[K], 4000.0)]
     assert hold.behind_ms == pytest.approx(2000.0)  # the subagents' requests (the person's took 0.5 s)
     assert hold.threshold_ms == pytest.approx(3000.0)
     assert "a person thinks, and would wait about" in hold.explain() and hold.fields()["personWaitMs"] > 0
     assert not granted(s.sweep(now=3500.0 + hold.threshold_ms - 1))
     assert granted(s.sweep(now=3500.0 + hold.threshold_ms)) == ["W"]
     # two subagents waiting: each waits the same time for it, and so the person's wait counts twice
-    s = cost_scheduler()
-    s.acquire("c", K, "C", role="child", now=0.0)
-    s.beat(K, "C", now=2000.0, busy=False)
-    s.release(K, "C", now=2100.0)
-    s.acquire("p", K, "P", now=3000.0)
-    s.usage(K, "P", 2000, 0, prefill_ms=1000.0)
-    s.park(K, "P", now=3500.0, turn=True)
+    s = person_after_a_subagent(turn=True)
     s.acquire("w", K, "W", role="child", now=3500.0)
     s.acquire("v", K, "V", role="child", now=3500.0)
     (hold,) = [c for _, c in s.holds(s._queues[K], 3500.0)]
     assert hold.weight == 2 and hold.threshold_ms == pytest.approx(1000.0 + 2 * hold.behind_ms)
     # the same slot idle between a parent's requests (no person's turn over): the switch's cost alone
-    s = cost_scheduler()
-    s.acquire("c", K, "C", role="child", now=0.0)
-    s.beat(K, "C", now=2000.0, busy=False)
-    s.release(K, "C", now=2100.0)
-    s.acquire("p", K, "P", now=3000.0)
-    s.usage(K, "P", 2000, 0, prefill_ms=1000.0)
-    s.beat(K, "P", now=3500.0, busy=False)
+    s = person_after_a_subagent(turn=False)
     s.acquire("w", K, "W", role="child", now=3500.0)
     (hold,) = [c for _, c in s.holds(s._queues[K], 3500.0)]
     assert hold.behind_ms == 0 and hold.threshold_ms == pytest.approx(1000.0)
