@@ -234,10 +234,11 @@ def test_the_proxy_reports_the_servers_own_prefill_time(stub: StubEndpoint) -> N
         try:
             assert chat_all(p.port, "A")[0] == 200  # llama.cpp's timings: prompt_ms 12.5
             assert chat_all(p.port, "B", "/v1/messages")[0] == 200  # no timings: the first byte's time
+            # the proxy reports after the response's last byte: wait for it before closing the proxy
+            usage = wait_for(lambda: [e for e in lq.read_event_log([log]) if e["event"] == "usage"][:2]
+                             if len([e for e in lq.read_event_log([log]) if e["event"] == "usage"]) >= 2 else None)
         finally:
             p.close()
-        usage = wait_for(lambda: [e for e in lq.read_event_log([log]) if e["event"] == "usage"][:2]
-                         if len([e for e in lq.read_event_log([log]) if e["event"] == "usage"]) >= 2 else None)
         assert usage[0]["prefillMs"] == 12.5
         assert 0 <= usage[1]["prefillMs"] < 30_000
 
