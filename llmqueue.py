@@ -875,12 +875,12 @@ class LeaseTerms(NamedTuple):
 #   - a holder is only ever removed by release, cancel, disconnect, TTL lapse, idle yield, or
 #     -- when it said it is parked (waiting on another agent) -- by a waiter's arrival;
 #   - one rule for an idle slot (issue 33, ``HoldCost``): a holder with nothing in flight that
-#     someone waits for keeps its slot while the waiters' time spent in its idle spells (added up
-#     over its tenure) is below what a switch costs, and hands it over then: at most twice the
-#     hindsight's best (ski rental).  A switch costs the re-prefill, at the server's measured
-#     rate, of the contexts still in use that the waiter's run pushes out of what the server keeps
-#     (learned in tokens from the returns), and, for a person between turns, the wait behind a
-#     subagent's request they would come back to, counted as much as all the waiters' together.
+#     someone waits for keeps its slot while the server's time it idled so (its idle spells over
+#     its tenure, once however many wait) is below what a switch costs, and hands it over then: at
+#     most twice the hindsight's best (ski rental).  A switch costs the re-prefill, at the server's
+#     measured rate, of the contexts still in use that the waiter's run pushes out of what the
+#     server keeps (learned in tokens from the returns), and, for a person between turns, the
+#     wait behind a subagent's request they would come back to.
 #     Nothing known of the contexts' sizes: kept, to the idle-yield.  It decides where
 #     ``holdRule`` is ``cost``; elsewhere the rules below decide and it is shown beside them.
 # Costs: every operation is O(log n) in waiters and holders (heaps with lazy deletion), except
@@ -913,7 +913,7 @@ class Holder:
     __slots__ = (
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
         "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
-        "idle_since", "dead_ms", "spare", "handback", "gap", "turn", "background", "waited_ms", "busy_since",
+        "idle_since", "dead_ms", "spare", "handback", "gap", "turn", "background", "rent_ms", "busy_since",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
@@ -954,9 +954,9 @@ class Holder:
         # the time it held the slot so while someone waited for it.
         self.idle_since: Optional[float] = None
         self.dead_ms = 0.0
-        # The waiters' time its closed idle spells cost, added up over its whole tenure: the rent
-        # issue 33's rule weighs against one switch (``HoldCost.before_ms``).
-        self.waited_ms = 0.0
+        # The server's time its closed idle spells cost while someone waited, added up over its
+        # whole tenure: the rent issue 33's rule weighs against one switch (``HoldCost.before_ms``).
+        self.rent_ms = 0.0
         self.busy_since: Optional[float] = now  # its request in flight began then (None: none is)
 
     @property
@@ -1297,18 +1297,21 @@ class HoldCost(NamedTuple):
     """Issue 33's rule for an idle slot that someone waits for, in the server's own time: handing
     it over makes the server re-prefill ``tokens`` of contexts still in use, which the waiter's run
     pushes out of what the server keeps (the holder's own, or another's), for ``switch_ms``;
-    keeping it costs the waiters' time: ``waited_ms``, each waiter's wait within the idle spell,
-    added up (``idle_ms``, the slot's idle time while someone waited, where it is not given), plus
-    ``before_ms``, what the holder's earlier idle spells of the same tenure cost so (the rent is
-    paid across gaps: a holder whose every tool call is shorter than the switch's cost keeps a
-    waiter out no longer than that cost in all).  The rule (ski rental): hand over once the
-    waiting spent reaches the switch's cost, and at once where the switch is free.  Whatever the
+    keeping it costs the server's time: ``idle_ms``, the slot's idle time while someone waited,
+    plus ``before_ms``, what the holder's earlier idle spells of the same tenure cost so (the rent
+    is paid across gaps: a holder whose every tool call is shorter than the switch's cost keeps a
+    waiter out no longer than that cost in all).  Both sides are seconds of the one server, and
+    each delays everyone queued behind it alike, so an idle second counts once however many wait
+    (counted per waiter, five waiting would spend a switch's price five times as fast, and six
+    subagents hand the slot round a room too small for them).  The rule (ski rental): hand over once the idle
+    time spent reaches the switch's cost, and at once where the switch is free.  Whatever the
     gaps, that spends at most twice what the best choice in hindsight would have.  ``switch_ms``
     None: nothing is known of the contexts' sizes (no usage reported), and the seed's rule stands:
     the slot is kept to the idle-yield.  ``measured``: priced at the server's own prefill rate, else
     at ``ASSUMED_PREFILL_TPS``.  For a person between turns and a subagent waiting, the switch
-    also costs the person's wait behind its request (``behind_ms``), counted ``weight`` times (as
-    much as every waiter's together): the threshold is ``threshold_ms``.  The rules in force
+    also costs the person's wait behind its request (``behind_ms``): a second of a person's wait
+    counts as much as a second of the whole server's, more than any one agent's share of it.
+    The threshold is ``threshold_ms``.  The rules in force
     decide, unless the queue's ``holdRule`` is ``cost``; either way ``status`` shows it, and the
     log's hand-overs and dead spells carry it."""
 
@@ -1317,19 +1320,17 @@ class HoldCost(NamedTuple):
     switch_ms: Optional[float]
     measured: bool
     why: str
-    waited_ms: Optional[float] = None
     before_ms: float = 0.0
     behind_ms: float = 0.0  # a person between turns: how long they would wait behind the waiter's request
-    weight: int = 1  # and their wait counts as much as every waiter's together: this many
 
     @property
     def spent_ms(self) -> float:
-        return self.before_ms + (self.idle_ms if self.waited_ms is None else self.waited_ms)
+        return self.before_ms + self.idle_ms
 
     @property
     def threshold_ms(self) -> Optional[float]:
-        """The waiting to spend before the slot goes: the switch's cost, and a person's wait."""
-        return None if self.switch_ms is None else self.switch_ms + self.weight * self.behind_ms
+        """The idle time to spend before the slot goes: the switch's cost, and a person's wait."""
+        return None if self.switch_ms is None else self.switch_ms + self.behind_ms
 
     @property
     def hand_over(self) -> bool:
@@ -1351,15 +1352,13 @@ class HoldCost(NamedTuple):
     def explain(self) -> str:
         """The two sides, in a person's words."""
         idle = f"idle {self.idle_ms / 1000:.1f} s so far"
-        if self.waited_ms is not None and round(self.waited_ms / 100) != round(self.idle_ms / 100):
-            idle += f", {self.waited_ms / 1000:.1f} s of waiting"
         if self.before_ms:
             idle += f", {self.before_ms / 1000:.1f} s more in its earlier gaps"
         if self.switch_ms is None:
             return f"keeping: {self.why}; {idle}"
         if self.behind_ms:
             idle = (f"a person thinks, and would wait about {self.behind_ms / 1000:.1f} s behind the waiter's "
-                    f"request, counted as much as every waiter's wait; {idle}")
+                    f"request; {idle}")
         verdict = "handing over" if self.hand_over else "keeping"
         if self.tokens == 0:
             return f"{verdict}: switching re-prefills nothing ({self.why}); {idle}"
@@ -2523,7 +2522,7 @@ class Scheduler:
         if dead > 0:
             cost = self._hold_cost(q, holder, now, since)
             if cost is not None:
-                holder.waited_ms += cost.spent_ms - cost.before_ms
+                holder.rent_ms += cost.spent_ms - cost.before_ms
             holder.dead_ms += dead
             q.dead_ms += dead
             q.dead_by_session[holder.session] = q.dead_by_session.pop(holder.session, 0.0) + dead
@@ -2532,34 +2531,24 @@ class Scheduler:
             if dead >= 1 and len(self._spells) < 4096:  # the caller drains them after every call
                 self._spells.append(Dead(q.key, holder.session, holder.role, dead, cost))
 
-    def _hold_cost(self, q: _Queue, holder: Holder, now: float, since: Optional[float] = None,
-                   waited: Optional[bool] = None) -> Optional[HoldCost]:
+    def _hold_cost(self, q: _Queue, holder: Holder, now: float, since: Optional[float] = None) -> Optional[HoldCost]:
         """Issue 33's rule for ``holder``'s slot, idle since ``since`` (its idle spell's start),
-        toward the waiter the queue would grant next; None while nobody waits or it is not idle.
-        ``waited``: add up every waiter's wait (linear in the waiters: where the rule decides,
-        ``holdRule: cost``, and for ``status``); else the slot's idle time stands for it, so the
-        rules' hot paths, which only log the figures, stay O(log n)."""
+        toward the waiter the queue would grant next; None while nobody waits or it is not idle."""
         since = holder.idle_since if since is None else since
         nxt = self._pick(q, now)
         if since is None or nxt is None:
             return None
         heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD)) if w is not None]
         idle = max(0.0, now - max(since, min(heads)))
-        decides = q.policy.hold_rule == "cost"
         cost = hold_cost(self._affinity.get(q.key), q.policy.switch_cost, holder.session, nxt.session,
                          lambda session: q.needed(session, now), idle)
-        if waited is None:
-            waited = decides
-        if waited:
-            cost = cost._replace(waited_ms=sum(max(0.0, now - max(since, w.enqueued_at)) for w in q.waiting.values()))
         if holder.turn and holder.persons and nxt.role == CHILD:
             # a person thinks: handed over, they come back to a subagent's request in flight, and
-            # wait for it (a subagent yields to them at its next request's end); their wait
-            # counts as much as all the agents' waits together
+            # wait for it (a subagent yields to them at its next request's end)
             times = sorted(q.requests[CHILD] or q.requests[PARENT])
             if times:
-                cost = cost._replace(behind_ms=times[len(times) // 2], weight=len(q.waiting) if waited else 1)
-        return cost._replace(before_ms=holder.waited_ms)
+                cost = cost._replace(behind_ms=times[len(times) // 2])
+        return cost._replace(before_ms=holder.rent_ms)
 
     def holds(self, q: _Queue, now: float) -> list[tuple[Holder, HoldCost]]:
         """Each idle holder of ``q`` that someone waits for, with issue 33's rule for its slot."""
@@ -2568,7 +2557,7 @@ class Scheduler:
         out = []
         for holder in q.all_holders():
             if holder.idle_since is not None and q.frees_for_waiter(holder):
-                cost = self._hold_cost(q, holder, now, waited=True)
+                cost = self._hold_cost(q, holder, now)
                 if cost is not None:
                     out.append((holder, cost))
         return out
@@ -2728,10 +2717,9 @@ class Scheduler:
                 if cost.hand_over:
                     chosen = (holder, cost)
                     break
-                # when the waiting spent reaches the threshold, every waiter waiting on from now
-                starts = [max(holder.idle_since, w.enqueued_at) for w in q.waiting.values()]
-                left = (cost.threshold_ms or 0.0) - cost.before_ms
-                at = (left + sum(starts)) / len(starts) if starts else now + left
+                # when the idle time spent reaches the threshold, someone waiting on from now
+                heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD)) if w is not None]
+                at = max(holder.idle_since, min(heads, default=now)) + (cost.threshold_ms or 0.0) - cost.before_ms
                 if at <= now + 1e-6:  # due already, but for rounding: a look again now would find the same
                     chosen = (holder, cost)
                     break

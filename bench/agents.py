@@ -97,6 +97,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, NamedTup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULE = os.path.join(ROOT, "llmqueue.py")
+OLD_MODULE: Optional[str] = None  # --old: an earlier llmqueue.py, for the accesses named ACCESS@old
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 import llmqueue  # noqa: E402
@@ -992,7 +993,18 @@ def lesson(access: Access, pattern: str, wl: Workload, salt: str) -> None:
 def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: str,
              background: bool = True, keep_log: Optional[str] = None) -> Dict[str, Any]:
     """One run of ``pattern`` through ``access_name`` against ``upstream``: its figures.
-    ``keep_log``: copy the daemon's event log there (for ``llmqueue report``)."""
+    ``keep_log``: copy the daemon's event log there (for ``llmqueue report``).  ``ACCESS@old``: the
+    daemon (and proxy) run from ``OLD_MODULE`` (old against new, in one table, in one run)."""
+    global MODULE
+    name, _, which = access_name.partition("@")
+    if which:
+        if which != "old" or OLD_MODULE is None:
+            raise SystemExit(f"{access_name}: give --old PATH, and name it ACCESS@old")
+        new, MODULE = MODULE, OLD_MODULE
+        try:
+            return run_once(pattern, name, upstream, wl, salt, background, keep_log)
+        finally:
+            MODULE = new
     cost = access_name.endswith(COST)
     if cost:
         access_name = access_name[:-len(COST)]
@@ -1205,9 +1217,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="cut every reply at its length, answers too (finish_reason length): as before "
                          "December 2026, when no response said that the agent's turn was over")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--old", metavar="PATH", help="an earlier llmqueue.py: an access named ACCESS@old runs its "
+                                                  "daemon and proxy from it (e.g. client-cost@old)")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="run every access N times, in rounds, and add a table of medians (default 1)")
     args = ap.parse_args(argv)
+    global OLD_MODULE
+    OLD_MODULE = args.old
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
     if args.keep_logs:
@@ -1222,8 +1238,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     patterns = (args.patterns or "delegate,interactive").split(",")
     access_names = args.access.split(",")
     for a in access_names:
-        if a not in ACCESS:
+        name, _, which = a.partition("@")
+        if name not in ACCESS or which not in ("", "old"):
             ap.error(f"unknown access {a!r}")
+        if which and not args.old:
+            ap.error(f"{a}: give --old PATH (an earlier llmqueue.py)")
     for p in patterns:
         if p not in PATTERNS:
             ap.error(f"unknown pattern {p!r}")

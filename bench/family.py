@@ -4,6 +4,8 @@
     python3 bench/family.py                  # every workload, none / client / client-cost
     python3 bench/family.py --only cpu-pressure-heavy-3 --access none,client,client-cost,proxy,proxy-cost
     python3 bench/family.py --pattern interactive     # a person beside subagents, on the same family
+    git show HEAD~1:llmqueue.py > /tmp/old.py
+    python3 bench/family.py --old /tmp/old.py --access none,client-cost@old,client-cost
 
 One table, one run: for each workload, the agents of ``bench/agents.py``'s *delegate* pattern
 (a parent makes two requests, parks while its subagents run four requests each, answers once
@@ -91,11 +93,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="comma list of bench/agents.py accesses (default: none,client,client-cost)")
     ap.add_argument("--only", help="comma list of workload names (default: the whole family)")
     ap.add_argument("--salt", default="fam")
+    ap.add_argument("--old", help="an earlier llmqueue.py: an access named ACCESS@old runs its daemon and proxy "
+                                  "from it (old against new, in one table, in one run)")
     ap.add_argument("--pattern", choices=("delegate", "interactive"), default="delegate",
                     help="interactive: a person's five turns, 1.5 s of thought before each, beside subagents "
                          "running jobs of four requests; adds the person's first-token p50 and the "
                          "subagents' requests (default: delegate)")
     args = ap.parse_args(argv)
+    agents.OLD_MODULE = args.old
     accesses = args.access.split(",")
     cases = [c for c in FAMILY if not args.only or c.name in args.only.split(",")]
     person = args.pattern == "interactive"
