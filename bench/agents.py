@@ -1186,9 +1186,9 @@ def table(rows: List[Dict[str, Any]]) -> str:
             dead,
             str(r["failed"]),
             (f"{r['bg_requests']}" + fmt_x(r["bg_requests"], b.get("bg_requests")))
-            if interactive and r["access"] in ACCESS else "",
+            if interactive and r["access"].partition("@")[0] in ACCESS else "",
             (f"{per_s(r):.2f}" + fmt_x(per_s(r), per_s(b) if b else None))
-            if interactive and r["access"] in ACCESS and per_s(r) is not None else "",
+            if interactive and r["access"].partition("@")[0] in ACCESS and per_s(r) is not None else "",
         ])
     return _lines(lines)
 
