@@ -1303,17 +1303,17 @@ class HoldCost(NamedTuple):
     waiter out no longer than that cost in all).  Both sides are seconds of the one server, and
     each delays everyone queued behind it alike, so an idle second counts once however many wait
     (counted per waiter, five waiting would spend a switch's price five times as fast, and six
-    subagents hand the slot round a room too small for them).  The rule (ski rental): hand over once the idle
-    time spent reaches the switch's cost, and at once where the switch is free.  Whatever the
-    gaps, that spends at most twice what the best choice in hindsight would have.  ``switch_ms``
-    None: nothing is known of the contexts' sizes (no usage reported), and the seed's rule stands:
-    the slot is kept to the idle-yield.  ``measured``: priced at the server's own prefill rate, else
-    at ``ASSUMED_PREFILL_TPS``.  For a person between turns and a subagent waiting, the switch
-    also costs the person's wait behind its request (``behind_ms``): a second of a person's wait
-    counts as much as a second of the whole server's, more than any one agent's share of it.
-    The threshold is ``threshold_ms``.  The rules in force
-    decide, unless the queue's ``holdRule`` is ``cost``; either way ``status`` shows it, and the
-    log's hand-overs and dead spells carry it."""
+    subagents hand the slot round a room too small for them).  The rule (ski rental): hand over
+    once the idle time spent reaches the switch's cost, and at once where the switch is free.
+    Whatever the gaps, that spends at most twice what the best choice in hindsight would have.
+    ``switch_ms`` None: nothing is known of the contexts' sizes (no usage reported), and the
+    seed's rule stands: the slot is kept to the idle-yield.  ``measured``: priced at the server's
+    own prefill rate, else at ``ASSUMED_PREFILL_TPS``.  For a person between turns and a subagent
+    waiting, the switch also costs the person's wait behind its request (``behind_ms``): a second
+    of a person's wait counts as much as a second of the whole server's, more than any one
+    agent's share of it.  The threshold is ``threshold_ms``.  The rules in force decide, unless
+    the queue's ``holdRule`` is ``cost``; either way ``status`` shows it, and the log's
+    hand-overs and dead spells carry it."""
 
     idle_ms: float
     tokens: Optional[int]
@@ -1665,6 +1665,11 @@ class _Queue:
         while people and not self._person(people[0]):
             heapq.heappop(people)
         return bool(people)
+
+    def oldest_wait(self) -> Optional[float]:
+        """When the longest-waiting live waiter, of either tier, queued (None: nobody waits)."""
+        heads = [w.enqueued_at for w in (self.head(PARENT), self.head(CHILD)) if w is not None]
+        return min(heads) if heads else None
 
     def head(self, tier: int) -> Optional[Waiter]:
         """The oldest live waiter of ``tier``, dropping dead heap entries on the way."""
@@ -2513,12 +2518,12 @@ class Scheduler:
         # one for a spare stream
         if holder.spare:  # only the head parent could have used it, and only if it may take it
             head = q.head(PARENT)
-            heads = [head.enqueued_at] if head is not None and q.frees_for_waiter(holder) else []
+            first = head.enqueued_at if head is not None and q.frees_for_waiter(holder) else None
         else:
-            heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD)) if w is not None]
-        if not heads:
+            first = q.oldest_wait()
+        if first is None:
             return
-        dead = now - max(since, min(heads))
+        dead = now - max(since, first)
         if dead > 0:
             cost = self._hold_cost(q, holder, now, since)
             if cost is not None:
@@ -2531,15 +2536,16 @@ class Scheduler:
             if dead >= 1 and len(self._spells) < 4096:  # the caller drains them after every call
                 self._spells.append(Dead(q.key, holder.session, holder.role, dead, cost))
 
-    def _hold_cost(self, q: _Queue, holder: Holder, now: float, since: Optional[float] = None) -> Optional[HoldCost]:
+    def _hold_cost(self, q: _Queue, holder: Holder, now: float,
+                   since: Optional[float] = None) -> Optional[HoldCost]:
         """Issue 33's rule for ``holder``'s slot, idle since ``since`` (its idle spell's start),
         toward the waiter the queue would grant next; None while nobody waits or it is not idle."""
         since = holder.idle_since if since is None else since
         nxt = self._pick(q, now)
-        if since is None or nxt is None:
+        first = q.oldest_wait()
+        if since is None or nxt is None or first is None:
             return None
-        heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD)) if w is not None]
-        idle = max(0.0, now - max(since, min(heads)))
+        idle = max(0.0, now - max(since, first))
         cost = hold_cost(self._affinity.get(q.key), q.policy.switch_cost, holder.session, nxt.session,
                          lambda session: q.needed(session, now), idle)
         if holder.turn and holder.persons and nxt.role == CHILD:
@@ -2718,8 +2724,9 @@ class Scheduler:
                     chosen = (holder, cost)
                     break
                 # when the idle time spent reaches the threshold, someone waiting on from now
-                heads = [w.enqueued_at for w in (q.head(PARENT), q.head(CHILD)) if w is not None]
-                at = max(holder.idle_since, min(heads, default=now)) + (cost.threshold_ms or 0.0) - cost.before_ms
+                first = q.oldest_wait()
+                began = max(holder.idle_since, now if first is None else first)
+                at = began + (cost.threshold_ms or 0.0) - cost.before_ms
                 if at <= now + 1e-6:  # due already, but for rounding: a look again now would find the same
                     chosen = (holder, cost)
                     break

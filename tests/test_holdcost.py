@@ -521,6 +521,34 @@ def test_under_the_cost_rule_a_thinking_persons_wait_counts_as_much_as_the_serve
     assert hold.behind_ms == 0 and hold.threshold_ms == pytest.approx(1000.0)
 
 
+def test_status_and_the_log_show_a_thinking_persons_wait_through_the_socket() -> None:
+    """A subagent's request took about 0.3 s; then a person's parent (a 2,000-token context, 1 s to
+    re-prefill) ends its turn and a subagent waits: ``status`` and the hand-over's log line carry
+    the wait the person would come back to, and the slot goes once the idle time reaches both."""
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log, "holdRule": "cost"}}):
+        c, p, w = d.peer(), d.peer(), d.peer()
+        child = {"op": "acquire", "queueKey": K, "sessionKey": "C", "role": "child", "activity": True}
+        assert c.ask(child)["op"] == "granted"
+        time.sleep(0.3)  # its request
+        assert c.ask({"op": "release", "queueKey": K, "sessionKey": "C"})["op"] == "ok"
+        assert p.ask(acquire("P"))["op"] == "granted"
+        assert p.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 2000, "reused": 0,
+                      "prefillMs": 1000})["op"] == "ok"
+        p.send({"op": "renew", "queueKey": K, "sessionKey": "P", "parked": True, "turn": True})  # its turn is over
+        w.send(dict(child, sessionKey="W"))
+        wait_for(lambda: d.waiting(K) == ["W"])
+        (hold,) = d.queue(K)["holds"]
+        assert hold["rule"] == "keep" and hold["switchMs"] == 1000
+        assert 250 <= hold["personWaitMs"] <= 3000, hold  # the subagent's request, as the daemon timed it
+        assert "a person thinks, and would wait about" in hold["explain"], hold
+        assert w.recv(10.0)["op"] == "granted"  # idle past the switch and the person's wait
+        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
+                                       if e["event"] == "release" and e["sessionKey"] == "P"])
+        assert release["rule"] == "hand over" and release["personWaitMs"] == hold["personWaitMs"]
+        assert release["waitedMs"] >= 1000 + release["personWaitMs"]
+
+
 @pytest.mark.parametrize("sweep_ms", [20, 10_000])
 def test_through_the_socket_a_cost_rule_queue_hands_an_idle_slot_over_once_the_switch_cost_is_spent(
         sweep_ms: int) -> None:
