@@ -643,7 +643,8 @@ def test_startup_with_a_file_of_bad_json_serves_defaults_and_says_so_in_status()
         with open(d.config_path, "w") as f:
             f.write('{"defaults": {"maxStreams": 2,}}')  # a trailing comma
         d.start()
-        assert "not valid JSON" in d.stderr()
+        # The socket listens a moment before the first config read: wait for the line.
+        wait_for(lambda: "not valid JSON" in d.stderr(), RELOAD_S)
         assert any("serving with defaults" in e for e in config_errors(d))
 
 
