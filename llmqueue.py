@@ -879,8 +879,10 @@ class LeaseTerms(NamedTuple):
 #     its tenure, once however many wait) is below what a switch costs, and hands it over then: at
 #     most twice the hindsight's best (ski rental).  A switch costs the re-prefill, at the server's
 #     measured rate, of the contexts still in use that the waiter's run pushes out of what the
-#     server keeps (learned in tokens from the returns), and, for a person between turns, the
-#     wait behind a subagent's request they would come back to.
+#     server keeps (learned in tokens from the returns; each by its chance), the waiter's own
+#     when the holder's return pushes it out in turn, and, for a person between turns, the wait
+#     behind a subagent's request they would come back to.  Where a person's thoughts were
+#     timed and what is left of this one is longer than the switch, it goes at once.
 #     Nothing known of the contexts' sizes: kept, to the idle-yield.  It decides where
 #     ``holdRule`` is ``cost``; elsewhere the rules below decide and it is shown beside them.
 # Costs: every operation is O(log n) in waiters and holders (heaps with lazy deletion), except
@@ -914,6 +916,7 @@ class Holder:
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
         "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
         "idle_since", "dead_ms", "spare", "handback", "gap", "turn", "background", "rent_ms", "busy_since",
+        "asks_spare",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
@@ -946,6 +949,8 @@ class Holder:
         # does, only to a waiter whose run evicts no context in use.
         self.turn = False
         self.spare = spare  # on one of the queue's spare streams (parents only), not one of max_streams
+        # its acquire asked for a spare stream: where subagents hold every slot, it streams beside them
+        self.asks_spare = False
         # A parent with no person behind it (its acquire said ``background``): its park for good
         # keeps the slot for a context in use, as a child's does (``Scheduler._refill``).
         self.background = background and role == PARENT
@@ -1309,9 +1314,13 @@ class HoldCost(NamedTuple):
     ``switch_ms`` None: nothing is known of the contexts' sizes (no usage reported), and the
     seed's rule stands: the slot is kept to the idle-yield.  ``measured``: priced at the server's
     own prefill rate, else at ``ASSUMED_PREFILL_TPS``.  For a person between turns and a subagent
-    waiting, the switch also costs the person's wait behind its request (``behind_ms``): a second
+    waiting, the switch also costs the person's wait behind its request (``behind_ms``; none where
+    their session takes a spare stream beside it, ``parentStreams``): a second
     of a person's wait counts as much as a second of the whole server's, more than any one
-    agent's share of it.  The threshold is ``threshold_ms``.  The rules in force decide, unless
+    agent's share of it.  The threshold is ``threshold_ms``.  Where a person's thoughts were timed,
+    ``ahead_ms`` is what is left of this one as they usually go: keeping costs the server that
+    much idle, so where it is longer than the threshold the slot goes at once (and the idle spent
+    still bounds the keep where the measure is wrong).  The rules in force decide, unless
     the queue's ``holdRule`` is ``cost``; either way ``status`` shows it, and the log's
     hand-overs and dead spells carry it."""
 
@@ -1322,6 +1331,9 @@ class HoldCost(NamedTuple):
     why: str
     before_ms: float = 0.0
     behind_ms: float = 0.0  # a person between turns: how long they would wait behind the waiter's request
+    # a person between turns: how much longer they will think, as their measured thoughts say
+    # (the median, less what this one has lasted); None: not measured
+    ahead_ms: Optional[float] = None
 
     @property
     def spent_ms(self) -> float:
@@ -1334,8 +1346,11 @@ class HoldCost(NamedTuple):
 
     @property
     def hand_over(self) -> bool:
+        """The idle time spent reached the threshold; or the idle still ahead, where it is
+        measured, is longer than the threshold, so keeping costs more than switching now."""
         threshold = self.threshold_ms
-        return threshold is not None and self.spent_ms >= threshold
+        return threshold is not None and (self.spent_ms >= threshold
+                                          or self.ahead_ms is not None and self.ahead_ms > threshold)
 
     def fields(self) -> dict[str, Any]:
         """The figures for a log line or a status entry."""
@@ -1347,6 +1362,8 @@ class HoldCost(NamedTuple):
             out["waitedBeforeMs"] = round(self.before_ms)
         if self.behind_ms:
             out["personWaitMs"] = round(self.behind_ms)
+        if self.ahead_ms is not None:
+            out["thinkAheadMs"] = round(self.ahead_ms)
         return out
 
     def explain(self) -> str:
@@ -1356,9 +1373,13 @@ class HoldCost(NamedTuple):
             idle += f", {self.before_ms / 1000:.1f} s more in its earlier gaps"
         if self.switch_ms is None:
             return f"keeping: {self.why}; {idle}"
+        person = []
+        if self.ahead_ms is not None:
+            person.append(f"thinks about {max(0.0, self.ahead_ms) / 1000:.1f} s more, as they usually do")
         if self.behind_ms:
-            idle = (f"a person thinks, and would wait about {self.behind_ms / 1000:.1f} s behind the waiter's "
-                    f"request; {idle}")
+            person.append(f"would wait about {self.behind_ms / 1000:.1f} s behind the waiter's request")
+        if person:
+            idle = f"a person {' and '.join(person)}; {idle}"
         verdict = "handing over" if self.hand_over else "keeping"
         if self.tokens == 0:
             return f"{verdict}: switching re-prefills nothing ({self.why}); {idle}"
@@ -1384,16 +1405,32 @@ def _fits(order: Iterable[str], sizes: Mapping[str, int], room: int) -> list[str
     return out
 
 
+def kept_chance(tokens: float, room: int, cap: Optional[int]) -> float:
+    """The chance that a server seen to keep ``room`` tokens of contexts keeps ``tokens``.  Up to
+    the room it surely does.  Past it, until the server was seen to lose a context (``cap`` None),
+    the prior is scale-free (Pareto, index 1): it keeps ``tokens`` with the chance ``room /
+    tokens``, so the growth of a context or two by a request prices a little of a re-prefill, not
+    all of it, and a switch that shows more was kept can happen.  Once it lost one, its limit is
+    near the room seen, and nothing past that is counted on.  No constant: twice the room seen is
+    as likely kept on a GPU as on a CPU."""
+    if tokens <= room:
+        return 1.0
+    return room / tokens if cap is None else 0.0
+
+
 def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: Optional[str],
               in_use: Callable[[str], bool], idle_ms: float) -> HoldCost:
     """What handing ``holder``'s idle slot to ``waiter`` costs (``HoldCost``), from the queue's
     switch record: each session's context size (its last prompt), what the server keeps, in
-    tokens, as the returns showed it (``_Affinity.room``), and its prefill rate.  The server is
-    taken to keep the most recently used contexts that fit in that room (the waiter's first, as
-    its run loads it; a waiter never seen counts as the median context); every needed context it
-    then pushes out of that room is re-prefilled.  ``in_use``: whether a session's context will be
-    needed again.  ``setting``: the queue's ``switchCost``, where a person said it (``cheap``: free; ``dear``:
-    the holder's context).  Pure."""
+    tokens, as the returns showed it (``_Affinity.room`` and ``room_cap``), and its prefill rate.
+    The server keeps the most recently used contexts that fit (LRU); the waiter's run brings its
+    context to the front (one never seen counts as the median context), which pushes out each
+    context whose tokens, with all the more recent ones, no longer fit.  Each needed context is
+    priced at its re-prefill times the chance that the switch pushes it out (``kept_chance``
+    before, less after), so a room known only as a lower bound prices a little growth past it a
+    little, not as a whole eviction.  ``in_use``: whether a session's context will be needed
+    again.  ``setting``: the queue's ``switchCost``, where a person said it (``cheap``: free;
+    ``dear``: the holder's context).  Pure."""
     rate = affinity.ms_per_token() if affinity is not None else None
     measured = rate is not None
     per_token = rate if rate is not None else 1000.0 / ASSUMED_PREFILL_TPS
@@ -1403,23 +1440,34 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
     if holder not in prompts:
         return HoldCost(idle_ms, None, None, False, "no context sizes reported, so a switch is dear")
     room = affinity.room if affinity is not None and setting == "auto" else None
-    if room is None:  # no return was kept: nothing says the server keeps more than the waiter's
-        tokens = prompts[holder]
+    if affinity is None or room is None:  # no return was kept: nothing says it keeps more than the waiter's
+        tokens = float(prompts[holder])
         why = ("switchCost is dear" if setting == "dear" else
                "what the server keeps is not known yet: the holder's context is assumed pushed out")
     else:
-        kept = _fits(reversed(prompts), prompts, room)  # kept now: the latest that fit
-        if waiter in kept:  # its run brings back a context the server keeps: nothing leaves
-            pushed: list[int] = []
-        else:
-            recent = sorted(itertools.islice(reversed(prompts.values()), MAX_DEPTH))
-            first = prompts.get(waiter, recent[len(recent) // 2]) if waiter is not None else 0
-            after = _fits(reversed(prompts), prompts, room - first)  # a prefix of ``kept``
-            pushed = [prompts[s] for s in kept[len(after):] if in_use(s)]
-        tokens = sum(pushed)
-        why = (f"the server keeps {_tokens(room)} tokens of contexts: the waiter's run pushes out "
-               f"{len(pushed)} still in use")
-    return HoldCost(idle_ms, tokens, tokens * per_token, measured, why)
+        cap = affinity.room_cap
+        recent = list(itertools.islice(reversed(prompts), MAX_DEPTH))
+        sizes = sorted(prompts[s] for s in recent)
+        first = prompts.get(waiter, sizes[len(sizes) // 2]) if waiter is not None else 0
+        tokens, before, ahead = 0.0, 0, waiter is not None
+        for session in recent:  # the latest first
+            if session == waiter:
+                ahead = False  # from here on, the waiter's context was counted already
+                before += prompts[session]
+                continue
+            before += prompts[session]
+            if ahead and in_use(session):
+                chance = max(0.0, kept_chance(before, room, cap) - kept_chance(before + first, room, cap))
+                tokens += prompts[session] * chance
+                if session == holder:
+                    # the round trip: the holder, back and re-prefilled, pushes the waiter's out
+                    # in turn (the same two contexts that did not fit), and the waiter needs it
+                    tokens += first * chance
+        bound = f" and lost {_tokens(cap)}" if cap is not None else ""
+        why = (f"the server was seen to keep {_tokens(room)} tokens of contexts{bound}: the contexts "
+               f"still in use that the waiter's run would push out, each by its chance, and the "
+               f"waiter's when the holder comes back")
+    return HoldCost(idle_ms, round(tokens), tokens * per_token, measured, why)
 
 
 class Dead(NamedTuple):
@@ -1792,6 +1840,7 @@ class Scheduler:
             self._attach(holder, conn)
             self._refresh(holder, now, activity=True)
             holder.background = holder.background and background  # a person is behind it now
+            holder.asks_spare = spare
             return [Granted(q.key, holder, ((conn, key),), new=False)]
         w = q.waiting.get(session)
         if w is not None:
@@ -1810,6 +1859,7 @@ class Scheduler:
         if room or spare and tier == PARENT and q.spare_room() and q.head(PARENT) is None:
             holder = self._grant(q, session, tier, group, activity, key, now, spare=not room,
                                  background=background)
+            holder.asks_spare = spare
             self._attach(holder, conn)
             return [Granted(q.key, holder, ((conn, key),))]
         self._seq += 1
@@ -2548,12 +2598,21 @@ class Scheduler:
         idle = max(0.0, now - max(since, first))
         cost = hold_cost(self._affinity.get(q.key), q.policy.switch_cost, holder.session, nxt.session,
                          lambda session: q.needed(session, now), idle)
-        if holder.turn and holder.persons and nxt.role == CHILD:
+        if holder.turn and holder.persons and nxt.role == CHILD and not (
+                holder.asks_spare and q.spares < q.policy.parent_streams and q.parents <= 1
+                and q.head(PARENT) is None):
             # a person thinks: handed over, they come back to a subagent's request in flight, and
-            # wait for it (a subagent yields to them at its next request's end)
+            # wait for it (a subagent yields to them at its next request's end); unless they take
+            # a spare stream beside it then (their session asks for one, and one is free)
             times = sorted(q.requests[CHILD] or q.requests[PARENT])
             if times:
                 cost = cost._replace(behind_ms=times[len(times) // 2])
+        thinking = q.thinking.get(holder.session)
+        if holder.turn and thinking is not None and q.thinks:
+            # a person whose thoughts were measured: keeping costs the server what is left of this
+            # one, as they usually go (``HoldCost.ahead_ms``)
+            thoughts = sorted(q.thinks)
+            cost = cost._replace(ahead_ms=thoughts[len(thoughts) // 2] - (now - thinking))
         return cost._replace(before_ms=holder.rent_ms)
 
     def holds(self, q: _Queue, now: float) -> list[tuple[Holder, HoldCost]]:
@@ -2890,6 +2949,7 @@ class Scheduler:
             events.append(Dequeued(q.key, w, "disconnect"))
             return
         holder = self._grant(q, w.session, w.role, w.group, w.activity, targets[0][1], now, spare, w.background)
+        holder.asks_spare = w.spare
         for conn, _ in targets:
             self._attach(holder, conn)
         q.switches += 1

@@ -34,15 +34,16 @@ K = "http://127.0.0.1:8001/v1"
 ASSUMED_MS = 1000.0 / lq.ASSUMED_PREFILL_TPS  # ms per token before the server reports a time
 
 
-def record(*reports: tuple, room: Optional[int] = None) -> lq._Affinity:
+def record(*reports: tuple, room: Optional[int] = None, cap: Optional[int] = None) -> lq._Affinity:
     """A switch record from usage reports: (session, prefilled, reused[, prefill_ms]); ``room``:
-    the tokens the server is known to keep."""
+    the tokens the server was seen to keep, ``cap``: to lose."""
     a = lq._Affinity()
     for session, prefilled, reused, *ms in reports:
         a.report(session, prefilled, reused)
         a.timed(prefilled, ms[0] if ms else None)
     if room is not None:
         a.room = room
+    a.room_cap = cap
     return a
 
 
@@ -93,25 +94,68 @@ def test_the_servers_own_prefill_time_prices_the_switch() -> None:
 
 
 def test_where_the_server_keeps_so_many_tokens_only_contexts_in_use_that_the_waiters_run_pushes_out_count() -> None:
-    # the server keeps 6,500 tokens; H (the holder) reported last, P before it, W (the waiter) long
-    # ago: H and P are kept (6,000), W is not
-    a = record(("W", 3000, 0), ("P", 5000, 0), ("H", 1000, 0), room=6500)
+    # the server keeps 6,500 tokens and lost 7,000; H (the holder) reported last, P before it, W (the
+    # waiter) long ago: H and P are kept (6,000), W is not
+    a = record(("W", 3000, 0), ("P", 5000, 0), ("H", 1000, 0), room=6500, cap=7000)
     # W's run (3,000) leaves room for H only: it pushes P out, which costs P's re-prefill if P is in use
     in_use = lq.hold_cost(a, "auto", "H", "W", lambda s: s in ("H", "P"), idle_ms=0)
-    assert in_use.tokens == 5000 and "keeps 6.5k tokens of contexts: the waiter's run pushes out 1 still in use" in in_use.why
+    assert in_use.tokens == 5000 and "seen to keep 6.5k tokens of contexts and lost 7.0k" in in_use.why
     done = lq.hold_cost(a, "auto", "H", "W", lambda s: s == "H", idle_ms=0)
     assert done.tokens == 0 and done.hand_over  # P is done with: nothing to re-prefill
     # a waiter whose context is kept pushes nothing out
     assert lq.hold_cost(a, "auto", "H", "P", always, idle_ms=0).tokens == 0
-    # room for one context: the waiter's run pushes the holder's own out
-    one = record(("W", 3000, 0), ("H", 1000, 0), room=3500)
-    assert lq.hold_cost(one, "auto", "H", "W", always, idle_ms=0).tokens == 1000
+    # room for one context: the waiter's run pushes the holder's own out, and the holder, back,
+    # pushes the waiter's out in turn (the round trip)
+    one = record(("W", 3000, 0), ("H", 1000, 0), room=3500, cap=3600)
+    assert lq.hold_cost(one, "auto", "H", "W", always, idle_ms=0).tokens == 1000 + 3000
     # room for every context in use: the switch is free
     assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=4000), "auto", "H", "W", always, 0).hand_over
     # a waiter never seen counts as the middle of the known sizes (3,000 here): it pushes the holder out
-    assert lq.hold_cost(one, "auto", "H", "N", always, idle_ms=0).tokens == 1000
+    assert lq.hold_cost(one, "auto", "H", "N", always, idle_ms=0).tokens == 1000 + 3000
     # the queue's switchCost, where someone set it, stands: dear prices the holder's context
     assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=4000), "dear", "H", "W", always, 0).tokens == 1000
+
+
+def test_a_room_seen_only_as_kept_prices_growth_past_it_by_its_chance_not_as_an_eviction() -> None:
+    """Contexts grow with every request, so the next switch nearly always needs a little more than
+    the server was seen to keep.  Until it was seen to lose one, twice the room is kept with the
+    chance 1/2 (scale-free): P, pushed from 6,000 to 9,000 tokens back, is lost with the chance
+    1 - 6,500/9,000, and the price is that share of its re-prefill."""
+    a = record(("W", 3000, 0), ("P", 5000, 0), ("H", 1000, 0), room=6500)
+    cost = lq.hold_cost(a, "auto", "H", "W", always, idle_ms=0)
+    assert cost.tokens == round(5000 * (1 - 6500 / 9000))
+    assert cost.switch_ms == pytest.approx(5000 * (1 - 6500 / 9000) * ASSUMED_MS)
+    # a little growth past the room: a little price (the holder's, and the waiter's on its return),
+    # where a room taken as exact priced both whole
+    grown = record(("W", 3000, 0), ("H", 1000, 0), room=3900)
+    assert lq.hold_cost(grown, "auto", "H", "W", always, 0).tokens == round((1000 + 3000) * (1 - 3900 / 4000))
+    # once the server was seen to lose a context, nothing past the room seen is counted on
+    assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=3900, cap=8000),
+                        "auto", "H", "W", always, 0).tokens == 1000 + 3000
+
+
+@given(room=st.integers(1, 10**6), cap=st.one_of(st.none(), st.integers(1, 10**6)),
+       a=st.integers(0, 3 * 10**6), b=st.integers(0, 3 * 10**6))
+def test_the_chance_a_server_keeps_tokens_falls_with_them_from_sure_at_the_room(
+        room: int, cap: Optional[int], a: int, b: int) -> None:
+    lo, hi = min(a, b), max(a, b)
+    p_lo, p_hi = lq.kept_chance(lo, room, cap), lq.kept_chance(hi, room, cap)
+    assert 0.0 <= p_hi <= p_lo <= 1.0
+    assert lq.kept_chance(room, room, cap) == 1.0
+    assert lq.kept_chance(room + 1, room, cap) == (0.0 if cap is not None else room / (room + 1))
+
+
+def test_a_switch_prices_the_round_trip_the_waiters_context_pushed_out_when_the_holder_is_back() -> None:
+    """Where the two contexts do not fit together, handing over re-prefills both: the holder's
+    when it comes back, and then the waiter's, which the holder's return pushed out.  A holder
+    done with its context (not in use) costs neither."""
+    a = record(("W", 3000, 0), ("H", 1000, 0), room=3500, cap=3600)
+    cost = lq.hold_cost(a, "auto", "H", "W", always, idle_ms=0)
+    assert cost.tokens == 4000 and "and the waiter's when the holder comes back" in cost.why
+    assert lq.hold_cost(a, "auto", "H", "W", lambda s: s != "H", idle_ms=0).tokens == 0
+    # where both fit, neither
+    assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=4000, cap=9000),
+                        "auto", "H", "W", always, idle_ms=0).tokens == 0
 
 
 def test_what_the_server_keeps_is_learned_in_tokens_from_the_returns() -> None:
@@ -340,7 +384,7 @@ def test_under_the_cost_rule_a_release_that_frees_a_context_hands_the_slot_over_
     s.acquire("w", K, "W", role="child", now=100.0)
     assert granted(s.sweep(now=2100.0)) == ["W"]  # P's 2 s switch paid for by W's wait
     s.usage(K, "W", 1000, 0, prefill_ms=1000.0)
-    s._affinity_of(K).room = 3000  # W and P fit; X's run pushes P out
+    s._affinity_of(K).room, s._affinity_of(K).room_cap = 3000, 3500  # W and P fit; X's run pushes P out
     s.beat(K, "W", now=2200.0, busy=False)
     s.acquire("x", K, "X", role="child", now=2200.0)
     ((_, hold),) = s.holds(s._queues[K], 2200.0)
@@ -475,15 +519,16 @@ def test_under_the_cost_rule_the_waiting_spent_adds_up_over_the_holders_gaps() -
     assert granted(s.sweep(now=2400.0)) == ["A"]
 
 
-def person_after_a_subagent(turn: bool) -> lq.Scheduler:
+def person_after_a_subagent(turn: bool, spare: bool = False, **policy: Any) -> lq.Scheduler:
     """A subagent's request took 2 s and it is done; then P (a person's parent, a 2,000-token
     context: a switch costs 1 s) made a request of 0.5 s and is idle from 3.5 s: its turn over
-    (``turn``, a park), or between two requests (``busy: false``)."""
-    s = cost_scheduler()
+    (``turn``, a park), or between two requests (``busy: false``).  ``spare``: P's acquire asks
+    for a spare stream when subagents hold every slot."""
+    s = cost_scheduler(**policy)
     s.acquire("c", K, "C", role="child", now=0.0)
     s.beat(K, "C", now=2000.0, busy=False)
     s.release(K, "C", now=2100.0)
-    s.acquire("p", K, "P", now=3000.0)
+    s.acquire("p", K, "P", now=3000.0, spare=spare)
     s.usage(K, "P", 2000, 0, prefill_ms=1000.0)
     if turn:
         held, _ = s.park(K, "P", now=3500.0, turn=True)
@@ -503,7 +548,7 @@ def test_under_the_cost_rule_a_thinking_persons_wait_counts_as_much_as_the_serve
     (hold,) = [c for _, c in s.holds(s._queues[K], 4000.0)]
     assert hold.behind_ms == pytest.approx(2000.0)  # the subagents' requests (the person's took 0.5 s)
     assert hold.threshold_ms == pytest.approx(3000.0)
-    assert "a person thinks, and would wait about" in hold.explain() and hold.fields()["personWaitMs"] > 0
+    assert "a person would wait about" in hold.explain() and hold.fields()["personWaitMs"] > 0
     assert not granted(s.sweep(now=3500.0 + hold.threshold_ms - 1))
     assert granted(s.sweep(now=3500.0 + hold.threshold_ms)) == ["W"]
     # two subagents waiting: the same threshold, and the same moment
@@ -519,6 +564,50 @@ def test_under_the_cost_rule_a_thinking_persons_wait_counts_as_much_as_the_serve
     s.acquire("w", K, "W", role="child", now=3500.0)
     (hold,) = [c for _, c in s.holds(s._queues[K], 3500.0)]
     assert hold.behind_ms == 0 and hold.threshold_ms == pytest.approx(1000.0)
+
+
+def test_under_the_cost_rule_a_person_who_would_take_a_spare_stream_waits_behind_no_request() -> None:
+    """A person whose session asks for a spare stream comes back to one beside the subagent's
+    request, not to a wait behind it: the switch costs their context alone, as between requests.
+    With no spare stream to take (``parentStreams: 0``), or with none asked for, the wait counts."""
+    s = person_after_a_subagent(turn=True, spare=True)
+    s.acquire("w", K, "W", role="child", now=3500.0)
+    (hold,) = [c for _, c in s.holds(s._queues[K], 3500.0)]
+    assert hold.behind_ms == 0 and hold.threshold_ms == pytest.approx(1000.0)
+    assert not granted(s.sweep(now=4499.0))
+    assert granted(s.sweep(now=4500.0)) == ["W"]
+    events = s.acquire("p", K, "P", now=5000.0, spare=True)  # the next turn: on the spare stream
+    assert granted(events) == ["P"] and s._queues[K].holders["P"].spare
+    for spare, policy in ((True, {"parentStreams": 0}), (False, {})):
+        s = person_after_a_subagent(turn=True, spare=spare, **policy)
+        s.acquire("w", K, "W", role="child", now=3500.0)
+        (hold,) = [c for _, c in s.holds(s._queues[K], 3500.0)]
+        assert hold.behind_ms == pytest.approx(2000.0), (spare, policy)
+
+
+@pytest.mark.parametrize("thought_ms,at_once", [(5000.0, True), (1000.0, False)])
+def test_under_the_cost_rule_a_persons_measured_thoughts_decide_at_once_when_theirs_outlasts_the_switch(
+        thought_ms: float, at_once: bool) -> None:
+    """Where the queue has timed a person's thoughts, keeping the slot through the next one costs
+    the server what is left of it, as they usually go.  Longer than the switch and the wait
+    behind a request (3 s here): handed over at the turn's end.  Shorter: kept, and the idle
+    spent still bounds it (the rule's guarantee does not rest on the measurement)."""
+    s = person_after_a_subagent(turn=True)  # P's turn over at 3.5 s; nobody waits: kept
+    back = 3500.0 + thought_ms
+    s.acquire("p", K, "P", now=back)  # the person is back: their thought is timed
+    s.beat(K, "P", now=back, busy=True)
+    s.acquire("w", K, "W", role="child", now=back + 100)
+    held, events = s.park(K, "P", now=back + 500, turn=True)  # the next turn is over
+    (hold,) = [c for _, c in s.holds(s._queues[K], back + 500)] or [None]
+    if at_once:
+        assert granted(events) == ["W"] and not held
+        return
+    assert hold is not None and hold.ahead_ms == pytest.approx(thought_ms) and not hold.hand_over
+    assert hold.fields()["thinkAheadMs"] == round(thought_ms)
+    assert "thinks about 1.0 s more, as they usually do" in hold.explain()
+    due = back + 500 + hold.threshold_ms
+    assert not granted(s.sweep(now=due - 1))
+    assert granted(s.sweep(now=due)) == ["W"]
 
 
 def test_status_and_the_log_show_a_thinking_persons_wait_through_the_socket() -> None:
@@ -541,12 +630,40 @@ def test_status_and_the_log_show_a_thinking_persons_wait_through_the_socket() ->
         (hold,) = d.queue(K)["holds"]
         assert hold["rule"] == "keep" and hold["switchMs"] == 1000
         assert 250 <= hold["personWaitMs"] <= 3000, hold  # the subagent's request, as the daemon timed it
-        assert "a person thinks, and would wait about" in hold["explain"], hold
+        assert "a person would wait about" in hold["explain"], hold
         assert w.recv(10.0)["op"] == "granted"  # idle past the switch and the person's wait
         (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
                                        if e["event"] == "release" and e["sessionKey"] == "P"])
         assert release["rule"] == "hand over" and release["personWaitMs"] == hold["personWaitMs"]
         assert release["waitedMs"] >= 1000 + release["personWaitMs"]
+
+
+def test_status_and_the_log_show_a_persons_measured_thought_through_the_socket() -> None:
+    """A person thought about 0.4 s between two turns (the daemon timed it).  At the end of the
+    next turn, with a subagent waiting, ``status`` shows what is left of the thought as they
+    usually go, beside the switch's price (1 s, longer: kept), and the hand-over's log line
+    carries it."""
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log, "holdRule": "cost"}}):
+        p, w = d.peer(), d.peer()
+        assert p.ask(acquire("P"))["op"] == "granted"
+        assert p.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 2000, "reused": 0,
+                      "prefillMs": 1000})["op"] == "ok"
+        turn_over = {"op": "renew", "queueKey": K, "sessionKey": "P", "parked": True, "turn": True}
+        assert p.ask(turn_over)["op"] == "ok"
+        time.sleep(0.4)  # the person thinks; nobody waits, so the slot is kept
+        assert p.ask(acquire("P"))["op"] == "granted"  # back: the thought is timed
+        assert p.ask(turn_over)["op"] == "ok"
+        w.send({"op": "acquire", "queueKey": K, "sessionKey": "W", "role": "child", "activity": True})
+        wait_for(lambda: d.waiting(K) == ["W"])
+        (hold,) = d.queue(K)["holds"]
+        assert hold["rule"] == "keep" and hold["switchMs"] == 1000, hold
+        assert 0 <= hold["thinkAheadMs"] <= 600, hold
+        assert "thinks about" in hold["explain"] and "as they usually do" in hold["explain"], hold
+        assert w.recv(10.0)["op"] == "granted"
+        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
+                                       if e["event"] == "release" and e["sessionKey"] == "P"])
+        assert release["rule"] == "hand over" and "thinkAheadMs" in release, release
 
 
 @pytest.mark.parametrize("sweep_ms", [20, 10_000])

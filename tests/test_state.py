@@ -173,7 +173,7 @@ def test_the_tokens_the_server_keeps_outlive_the_daemon() -> None:
             wait_for(lambda: d.waiting(K) == ["W"])
             (hold,) = d.queue(K)["holds"]
             # both contexts (1,000 tokens) fit in the 2,010 it kept: the switch is free
-            assert hold["switchTokens"] == 0 and "keeps 2.0k tokens" in hold["explain"], hold
+            assert hold["switchTokens"] == 0 and "keep 2.0k tokens" in hold["explain"], hold
     finally:
         shutil.rmtree(agent_dir, ignore_errors=True)
 
