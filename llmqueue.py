@@ -38,7 +38,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from json.encoder import encode_basestring_ascii as _json_str  # the C string encoder
-from typing import (IO, TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence,
+from typing import (IO, TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence,
                     Tuple, Union)
 
 if TYPE_CHECKING:  # the commands import it when they run: the daemon's start does without
@@ -1392,19 +1392,6 @@ def _tokens(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
 
 
-def _fits(order: Iterable[str], sizes: Mapping[str, int], room: int) -> list[str]:
-    """The sessions of ``order`` (the latest first) whose contexts fit in ``room`` tokens, added up
-    in that order: the ones a server keeps, least recently used leaving first (``MAX_DEPTH`` of
-    them at most: an older one counts as gone, whatever the room)."""
-    out: list[str] = []
-    for session in itertools.islice(order, MAX_DEPTH):
-        room -= sizes[session]
-        if room < 0:
-            break
-        out.append(session)
-    return out
-
-
 def kept_chance(tokens: float, room: int, cap: Optional[int]) -> float:
     """The chance that a server seen to keep ``room`` tokens of contexts keeps ``tokens``.  Up to
     the room it surely does.  Past it, until the server was seen to lose a context (``cap`` None),
@@ -1449,14 +1436,14 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
         recent = list(itertools.islice(reversed(prompts), MAX_DEPTH))
         sizes = sorted(prompts[s] for s in recent)
         first = prompts.get(waiter, sizes[len(sizes) // 2]) if waiter is not None else 0
-        tokens, before, ahead = 0.0, 0, waiter is not None
+        tokens, before, newer = 0.0, 0, waiter is not None
         for session in recent:  # the latest first
             if session == waiter:
-                ahead = False  # from here on, the waiter's context was counted already
+                newer = False  # from here on, the waiter's context was counted already
                 before += prompts[session]
                 continue
             before += prompts[session]
-            if ahead and in_use(session):
+            if newer and in_use(session):
                 chance = max(0.0, kept_chance(before, room, cap) - kept_chance(before + first, room, cap))
                 tokens += prompts[session] * chance
                 if session == holder:

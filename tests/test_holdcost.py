@@ -641,14 +641,14 @@ def test_status_and_the_log_show_a_thinking_persons_wait_through_the_socket() ->
 def test_status_and_the_log_show_a_persons_measured_thought_through_the_socket() -> None:
     """A person thought about 0.4 s between two turns (the daemon timed it).  At the end of the
     next turn, with a subagent waiting, ``status`` shows what is left of the thought as they
-    usually go, beside the switch's price (1 s, longer: kept), and the hand-over's log line
+    usually go, beside the switch's price (3 s, longer: kept), and the hand-over's log line
     carries it."""
     log = os.path.join(short_tmpdir(), "events.log")
     for d in started(config={"defaults": {"logFile": log, "holdRule": "cost"}}):
         p, w = d.peer(), d.peer()
         assert p.ask(acquire("P"))["op"] == "granted"
         assert p.ask({"op": "usage", "queueKey": K, "sessionKey": "P", "prefilled": 2000, "reused": 0,
-                      "prefillMs": 1000})["op"] == "ok"
+                      "prefillMs": 3000})["op"] == "ok"
         turn_over = {"op": "renew", "queueKey": K, "sessionKey": "P", "parked": True, "turn": True}
         assert p.ask(turn_over)["op"] == "ok"
         time.sleep(0.4)  # the person thinks; nobody waits, so the slot is kept
@@ -657,8 +657,9 @@ def test_status_and_the_log_show_a_persons_measured_thought_through_the_socket()
         w.send({"op": "acquire", "queueKey": K, "sessionKey": "W", "role": "child", "activity": True})
         wait_for(lambda: d.waiting(K) == ["W"])
         (hold,) = d.queue(K)["holds"]
-        assert hold["rule"] == "keep" and hold["switchMs"] == 1000, hold
-        assert 0 <= hold["thinkAheadMs"] <= 600, hold
+        assert hold["rule"] == "keep" and hold["switchMs"] == 3000, hold
+        # the thought (0.4 s, more on a loaded machine), less the moment since this turn ended
+        assert isinstance(hold["thinkAheadMs"], int) and hold["thinkAheadMs"] <= 2000, hold
         assert "thinks about" in hold["explain"] and "as they usually do" in hold["explain"], hold
         assert w.recv(10.0)["op"] == "granted"
         (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
