@@ -16,7 +16,9 @@ dead spells and hand-overs carry the figures; the proxy reports the server's pre
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import llmqueue as lq
-from tests.harness import MODULE, short_tmpdir, started, wait_for
+from tests.harness import MODULE, ROOT, short_tmpdir, started, wait_for
 from tests.stub import StubEndpoint
 
 K = "http://127.0.0.1:8001/v1"
@@ -319,6 +321,32 @@ def granted(events: List[Any]) -> List[str]:
 
 def released(events: List[Any]) -> List[tuple]:
     return [(e.holder.session, e.reason) for e in events if isinstance(e, lq.Released)]
+
+
+def test_the_readmes_first_example_streams_and_reports_the_servers_own_counts() -> None:
+    """Issue 33: reporting takes one call, and the README's first Python example shows it.  Run
+    as written against a stub server (its address for the README's): it streams, and the daemon
+    has the response's own counts (the stub's last chunk: 40 prompt tokens, 30 of them cached)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    start = readme.index("```python", readme.index("## Queueing from Python")) + len("```python\n")
+    example = readme[start:readme.index("```", start)]
+    assert "session.report(chunk)" in example
+    stub = StubEndpoint()
+    agent_dir = short_tmpdir()
+    try:
+        code = (example.replace('"http://127.0.0.1:8080/v1"', repr(stub.url))
+                + "\nprint()\nprint(json.dumps(client.status()))\nclient.close()\n")
+        env = dict(os.environ, LLMQUEUE_DIR=agent_dir, PYTHONPATH=ROOT)
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert "tok0" in run.stdout
+        (queue,) = json.loads(run.stdout.strip().splitlines()[-1])
+        assert queue["tokens"] == {"prefilled": 10, "reused": 30, "requests": 1}, queue
+    finally:
+        subprocess.run([sys.executable, MODULE, "stop", "--agent-dir", agent_dir], capture_output=True, timeout=30)
+        shutil.rmtree(agent_dir, ignore_errors=True)
+        stub.close()
 
 
 def test_hold_rule_is_a_checked_config_field_and_rules_stay_the_default() -> None:
