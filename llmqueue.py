@@ -921,7 +921,7 @@ class Holder:
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
                  terms: LeaseTerms, seq: int, key: str, now: float, spare: bool = False,
-                 background: bool = False) -> None:
+                 background: bool = False, asks_spare: bool = False) -> None:
         self.queue = queue
         self.session = session
         self.role = role
@@ -950,7 +950,7 @@ class Holder:
         self.turn = False
         self.spare = spare  # on one of the queue's spare streams (parents only), not one of max_streams
         # its acquire asked for a spare stream: where subagents hold every slot, it streams beside them
-        self.asks_spare = False
+        self.asks_spare = asks_spare
         # A parent with no person behind it (its acquire said ``background``): its park for good
         # keeps the slot for a context in use, as a child's does (``Scheduler._refill``).
         self.background = background and role == PARENT
@@ -1548,10 +1548,11 @@ class _Queue:
         limit = self.policy.max_streams
         return limit is None or self.held() - self.spares < limit
 
-    def spare_room(self) -> bool:
+    def spare_room(self, leaving: bool = False) -> bool:
         """A spare stream a parent may take: one is free, and subagents hold every slot of
-        ``max_streams`` (a parent waits for another parent, as the spec says)."""
-        return self.spares < self.policy.parent_streams and not self.parents
+        ``max_streams`` (a parent waits for another parent, as the spec says).  ``leaving``: once
+        the parent holding a slot of them has given it up."""
+        return self.spares < self.policy.parent_streams and self.parents <= leaving
 
     def frees_for_waiter(self, holder: Holder) -> bool:
         """Whether ``holder``'s slot, given up, would go to a waiter: a spare stream only to the
@@ -1845,8 +1846,7 @@ class Scheduler:
         room = q.has_room()
         if room or spare and tier == PARENT and q.spare_room() and q.head(PARENT) is None:
             holder = self._grant(q, session, tier, group, activity, key, now, spare=not room,
-                                 background=background)
-            holder.asks_spare = spare
+                                 background=background, asks_spare=spare)
             self._attach(holder, conn)
             return [Granted(q.key, holder, ((conn, key),))]
         self._seq += 1
@@ -2455,7 +2455,8 @@ class Scheduler:
         heapq.heapify(self._idle_heap)
 
     def _grant(self, q: _Queue, session: str, tier: int, group: Optional[str], activity: bool,
-               key: str, now: float, spare: bool = False, background: bool = False) -> Holder:
+               key: str, now: float, spare: bool = False, background: bool = False,
+               asks_spare: bool = False) -> Holder:
         self._grant_seq += 1
         q.grants += 1
         if tier == CHILD:
@@ -2463,7 +2464,7 @@ class Scheduler:
         elif not spare:  # a spare stream took no child's slot: it does not age the children
             q.parent_grants += 1
         holder = Holder(q, session, tier, group, activity, LeaseTerms.of(q.policy), self._grant_seq, key, now,
-                        spare, background)
+                        spare, background, asks_spare)
         if spare:
             q.spares += 1
         elif tier == PARENT:
@@ -2586,8 +2587,7 @@ class Scheduler:
         cost = hold_cost(self._affinity.get(q.key), q.policy.switch_cost, holder.session, nxt.session,
                          lambda session: q.needed(session, now), idle)
         if holder.turn and holder.persons and nxt.role == CHILD and not (
-                holder.asks_spare and q.spares < q.policy.parent_streams and q.parents <= 1
-                and q.head(PARENT) is None):
+                holder.asks_spare and q.spare_room(leaving=True) and q.head(PARENT) is None):
             # a person thinks: handed over, they come back to a subagent's request in flight, and
             # wait for it (a subagent yields to them at its next request's end); unless they take
             # a spare stream beside it then (their session asks for one, and one is free)
@@ -2935,8 +2935,8 @@ class Scheduler:
         if not targets:  # everyone who asked has gone: never grant a dead waiter
             events.append(Dequeued(q.key, w, "disconnect"))
             return
-        holder = self._grant(q, w.session, w.role, w.group, w.activity, targets[0][1], now, spare, w.background)
-        holder.asks_spare = w.spare
+        holder = self._grant(q, w.session, w.role, w.group, w.activity, targets[0][1], now, spare, w.background,
+                             w.spare)
         for conn, _ in targets:
             self._attach(holder, conn)
         q.switches += 1
