@@ -30,9 +30,10 @@ then streamed requests that grow it with the reply and a tool's output between r
   agent dir's state file (what a switch costs there, learned);
 - ``client-again``, ``proxy-again``: ``client`` and ``proxy`` on a daemon (and proxy) that is
   still up after it served the same agents' run, under the same session names, with
-  conversations of their own (a subagent named as before starts its next task).
+  conversations of their own (a subagent named as before starts its next task);
+- ``ACCESS-sN`` (``client-s4``, ``proxy-cost-s2``): ACCESS with the daemon's ``maxStreams`` at N.
 Every queued run gets a fresh daemon with the **default config** (only ``logFile`` set, for the
-dead-time figure) on a temporary agent dir.
+dead-time figure, and what the access's name says) on a temporary agent dir.
 
 **Server set-ups** (``--llama-server PATH``: the benchmark starts the server for every run, so
 every run meets empty caches; it writes its own random-weight model, see below):
@@ -82,6 +83,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -981,6 +983,11 @@ ACCESS = ("none", "client", "proxy", "proxy-anon", "client-warm", "proxy-warm", 
 COST = "-cost"
 
 
+def known(name: str) -> bool:
+    """An access of ``ACCESS``, or one with its daemon's ``maxStreams`` set (``ACCESS-sN``)."""
+    return re.sub(r"-s[1-9][0-9]*$", "", name) in ACCESS
+
+
 def lesson(access: Access, pattern: str, wl: Workload, salt: str) -> None:
     """What a daemon that served your agents before knows: the same agents' run, once, the day
     before (the run's pattern and workload, conversations of their own).  Until December 2026 the
@@ -1005,12 +1012,17 @@ def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: 
             return run_once(pattern, name, upstream, wl, salt, background, keep_log)
         finally:
             MODULE = new
+    defaults: Dict[str, Any] = {}
+    streams = re.fullmatch(r"(.*)-s([1-9][0-9]*)", access_name)
+    if streams:  # ``ACCESS-sN``: the daemon's ``maxStreams`` is N (default 1)
+        access_name, defaults["maxStreams"] = streams.group(1), int(streams.group(2))
     cost = access_name.endswith(COST)
     if cost:
         access_name = access_name[:-len(COST)]
+        defaults["holdRule"] = "cost"
     warm = access_name.endswith("-warm")
     queue = (Queue(upstream, proxy=access_name.startswith("proxy"), teach=(pattern, wl, salt) if warm else None,
-                   defaults={"holdRule": "cost"} if cost else None)
+                   defaults=defaults or None)
              if access_name != "none" else None)
     client: Optional[llmqueue.Client] = None
     access: Access
@@ -1186,9 +1198,9 @@ def table(rows: List[Dict[str, Any]]) -> str:
             dead,
             str(r["failed"]),
             (f"{r['bg_requests']}" + fmt_x(r["bg_requests"], b.get("bg_requests")))
-            if interactive and r["access"].partition("@")[0] in ACCESS else "",
+            if interactive and known(r["access"].partition("@")[0]) else "",
             (f"{per_s(r):.2f}" + fmt_x(per_s(r), per_s(b) if b else None))
-            if interactive and r["access"].partition("@")[0] in ACCESS and per_s(r) is not None else "",
+            if interactive and known(r["access"].partition("@")[0]) and per_s(r) is not None else "",
         ])
     return _lines(lines)
 
@@ -1239,7 +1251,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     access_names = args.access.split(",")
     for a in access_names:
         name, _, which = a.partition("@")
-        if name not in ACCESS or which not in ("", "old"):
+        if not known(name) or which not in ("", "old"):
             ap.error(f"unknown access {a!r}")
         if which and not args.old:
             ap.error(f"{a}: give --old PATH (an earlier llmqueue.py)")

@@ -6,6 +6,7 @@
     python3 bench/family.py --pattern interactive     # a person beside subagents, on the same family
     git show HEAD~1:llmqueue.py > /tmp/old.py
     python3 bench/family.py --old /tmp/old.py --access none,client-cost@old,client-cost
+    python3 bench/family.py --slots 4 --access none,client,client-s4   # 4 slots, one KV; maxStreams 4
 
 One table, one run: for each workload, the agents of ``bench/agents.py``'s *delegate* pattern
 (a parent makes two requests, parks while its subagents run four requests each, answers once
@@ -71,13 +72,20 @@ FAMILY = [Case(*c) for c in (
 )]
 
 
-def run_case(case: Case, access: str, salt: str, pattern: str = "delegate") -> Dict[str, Any]:
+def run_case(case: Case, access: str, salt: str, pattern: str = "delegate", slots: int = 1) -> Dict[str, Any]:
+    """One run of ``case`` through ``access``.  ``slots`` above 1: llama-server's default set-up,
+    that many slots sharing one KV cache (``--kv-unified``), sized to run a request in every slot
+    at once (smaller, the server refuses requests: the server alone would fail some), or to hold
+    every agent's context where they fit; the host cache beside it as with one slot.  So under
+    pressure only the contexts past the slots' count compete.  A GPU decodes the slots' streams
+    in shared steps (batched); a CPU does not gain from it here."""
     wl = BASE._replace(children=case.children, turns=5, think_s=1.5, limit_s=60.0, **TOOLS[case.tools])
     context = wl.context_tokens()
     host = context * (case.children + 2) * 2 if case.cache == "fit" else int(context * 1.2)
+    unified = None if slots == 1 else max(slots * (context + wl.reply_tokens), host if case.cache == "fit" else 0)
     server = SERVERS[case.server]
-    with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=host, prefill_ms=server.prefill_ms,
-               decode_ms=server.decode_ms) as sim:
+    with KVSim(slots=slots, slot_ctx=4096, host_cache_tokens=host, prefill_ms=server.prefill_ms,
+               decode_ms=server.decode_ms, unified_ctx=unified, batched_decode=case.server == "gpu") as sim:
         fig = agents.run_once(pattern, access, sim.url, wl, salt)
     fig.pop("request_log", None)
     return fig
@@ -99,6 +107,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="interactive: a person's five turns, 1.5 s of thought before each, beside subagents "
                          "running jobs of four requests; adds the person's first-token p50 and the "
                          "subagents' requests (default: delegate)")
+    ap.add_argument("--slots", type=int, default=1,
+                    help="the server's slots (default 1); above 1 they share one KV cache, and a GPU batches "
+                         "their decode: add ACCESS-sN accesses to run the daemon with maxStreams N")
     args = ap.parse_args(argv)
     agents.OLD_MODULE = args.old
     accesses = args.access.split(",")
@@ -110,7 +121,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for case in cases:
         base: Optional[float] = None
         for access in accesses:
-            fig = run_case(case, access, f"{args.salt}{case.name}", args.pattern)
+            fig = run_case(case, access, f"{args.salt}{case.name}", args.pattern, args.slots)
             makespan = fig["makespan_s"]
             if access == "none":
                 base = makespan

@@ -36,6 +36,10 @@ What it models (a deliberately small but faithful picture of llama-server's slot
   is held for each unit of work (a prefill chunk of 32 tokens, one decoded token) while its cost
   is slept, so parallel slots share the throughput instead of each getting a whole GPU.  The
   ``timings`` a reply reports are measured wall-clock times, engine waits included.
+  ``batched_decode=True`` (a GPU's batched decode): the streams decoding at once share each
+  decode step, so a step of N streams costs ``decode_ms`` as one does (a step carries every
+  stream in its decode phase, as llama-server's loop decodes every active slot; a stream that
+  starts decoding during a step rides the next one).  ``decode_steps`` counts the steps.
 - **Unified KV** (``unified_ctx``, like ``--kv-unified -c N``): the slots' caches together hold
   at most ``unified_ctx`` tokens (a busy slot counts its whole reservation, prompt plus
   ``max_tokens``).  A request that needs more room first drops idle slots' caches, least
@@ -85,7 +89,7 @@ import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Deque, Dict, List, Optional, Set, Type
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple, Type
 
 ASSISTANT = "<|assistant|>"
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
@@ -194,7 +198,7 @@ class KVSim:
     def __init__(self, slots: int = 1, slot_ctx: int = 4096, host_cache_tokens: int = 0,
                  prefill_ms: float = 0.2, decode_ms: float = 1.0, restore_ms: float = 0.0,
                  unified_ctx: Optional[int] = None, port: int = 0, *, chunked: bool = False,
-                 slot_files: bool = False) -> None:
+                 slot_files: bool = False, batched_decode: bool = False) -> None:
         if slots < 1:
             raise ValueError("slots must be at least 1")
         self.slot_ctx = slot_ctx if unified_ctx is None else min(slot_ctx, unified_ctx)
@@ -211,6 +215,11 @@ class KVSim:
         self.lock = threading.Lock()
         self._cv = threading.Condition()  # guards the slots, the server queue, the host cache, faults
         self._engine = threading.Lock()  # the one GPU
+        self.batched_decode = batched_decode
+        self._step_cv = threading.Condition()  # batched decode: the step being taken, and the steps taken
+        self._stepping = False
+        self._decoding: Dict[int, Tuple[int, int]] = {}  # per stream decoding: tokens made, tokens asked for
+        self.decode_steps = 0
         self._slots = [_Slot(i) for i in range(slots)]
         self._waiting: Deque[object] = collections.deque()  # the server queue's tickets, FIFO
         self._host: List[List[str]] = []  # least recently used first
@@ -446,6 +455,48 @@ class KVSim:
             if ms > 0:
                 time.sleep(ms / 1000.0)
 
+    def _decode(self, grant: _Grant, rec: Dict[str, Any]) -> None:
+        """One generated token.  Unbatched, a unit of work of its own.  Batched, as llama-server's
+        loop decodes every active slot in one step: a step gives a token to each stream in its
+        decode phase when the step began (generation runs ahead of what the stream has sent), and
+        a stream that needs one it has not got yet takes the next step itself, if none runs."""
+        if not self.batched_decode:
+            self._compute(grant, rec, self.decode_ms)
+            with self._step_cv:
+                self.decode_steps += 1
+            return
+        key = id(rec)
+        with self._step_cv:
+            made, asked = self._decoding.get(key, (0, 0))
+            asked += 1
+            self._decoding[key] = (made, asked)
+            while self._decoding[key][0] < asked:
+                if not self._stepping:
+                    break
+                self._step_cv.wait()
+            else:
+                if grant.slot.owner is not rec:
+                    raise _Cut()
+                return
+            self._stepping = True
+            riders = list(self._decoding)
+        try:
+            self._compute(grant, rec, self.decode_ms)
+        finally:
+            with self._step_cv:
+                self._stepping = False
+                self.decode_steps += 1
+                for other in riders:
+                    if other in self._decoding:
+                        made, asked = self._decoding[other]
+                        self._decoding[other] = (made + 1, asked)
+                self._step_cv.notify_all()
+
+    def _decoded(self, rec: Dict[str, Any]) -> None:
+        """A stream's decode phase ends: later steps carry it no more."""
+        with self._step_cv:
+            self._decoding.pop(id(rec), None)
+
     def _extend(self, grant: _Grant, rec: Dict[str, Any], tokens: List[str], header: bool = False) -> None:
         with self._cv:
             slot = grant.slot
@@ -457,6 +508,7 @@ class KVSim:
 
     def _release(self, grant: _Grant, rec: Dict[str, Any]) -> None:
         """The request's processing ends: its slot is free (its ``end`` is now)."""
+        self._decoded(rec)
         with self._cv:
             if grant.slot.owner is rec:
                 grant.slot.owner = None
@@ -684,7 +736,7 @@ def _make_handler(sim: KVSim) -> Type[BaseHTTPRequestHandler]:
             for i in range(max(0, max_tokens - 1) if ends else max_tokens):
                 if i == cut_at:
                     break
-                sim._compute(grant, rec, sim.decode_ms)
+                sim._decode(grant, rec)
                 word = f"g{i}"
                 sim._extend(grant, rec, [word])
                 words.append(word)

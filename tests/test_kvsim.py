@@ -321,6 +321,29 @@ def test_one_slot_serialises_concurrent_requests_and_parallel_slots_share_one_en
             assert elapsed >= 0.95 * 2 * 60 * 2.0 / 1000  # one GPU: two slots do not double throughput
 
 
+def test_batched_decode_shares_each_step_among_the_streams_decoding_at_once() -> None:
+    # A GPU's batched decode: two streams on two slots decode in shared steps, so the engine takes
+    # far fewer steps than the tokens generated; unbatched it takes one per token.
+    for batched in (False, True):
+        with KVSim(slots=2, prefill_ms=0.05, decode_ms=2.0, batched_decode=batched) as sim:
+            replies: List[Reply] = []
+
+            def ask(who: str) -> None:
+                replies.append(post(sim.port, payload([{"role": "system", "content": who}], max_tokens=60, user=who)))
+
+            threads = [threading.Thread(target=ask, args=(w,)) for w in ("first", "second")]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert len(replies) == 2 and all(r.status == 200 and r.done for r in replies)
+            assert all(record(sim, w)["predicted_n"] == 60 for w in ("first", "second"))
+            if batched:
+                assert sim.decode_steps <= 0.75 * 120  # about 60 shared steps: most tokens rode along
+            else:
+                assert sim.decode_steps == 120
+
+
 def test_a_close_fault_truncates_the_stream_and_frees_the_slot(sim: KVSim) -> None:
     sim.inject("close")
     messages = [{"role": "user", "content": "hello"}]
