@@ -325,7 +325,8 @@ def test_batched_decode_shares_each_step_among_the_streams_decoding_at_once() ->
     # A GPU's batched decode: two streams on two slots decode in shared steps, so the engine takes
     # far fewer steps than the tokens generated; unbatched it takes one per token.
     for batched in (False, True):
-        with KVSim(slots=2, prefill_ms=0.05, decode_ms=2.0, batched_decode=batched) as sim:
+        # 10 ms a step: 0.6 s a stream, so the two overlap however late the second thread starts
+        with KVSim(slots=2, prefill_ms=0.05, decode_ms=10.0, batched_decode=batched) as sim:
             replies: List[Reply] = []
 
             def ask(who: str) -> None:
