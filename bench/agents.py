@@ -983,9 +983,13 @@ ACCESS = ("none", "client", "proxy", "proxy-anon", "client-warm", "proxy-warm", 
 COST = "-cost"
 
 
+STREAMS = re.compile(r"(.*)-s([1-9][0-9]*)")  # ``ACCESS-sN``: the daemon's ``maxStreams`` is N
+
+
 def known(name: str) -> bool:
     """An access of ``ACCESS``, or one with its daemon's ``maxStreams`` set (``ACCESS-sN``)."""
-    return re.sub(r"-s[1-9][0-9]*$", "", name) in ACCESS
+    streams = STREAMS.fullmatch(name)
+    return (streams.group(1) if streams else name) in ACCESS
 
 
 def lesson(access: Access, pattern: str, wl: Workload, salt: str) -> None:
@@ -1013,8 +1017,8 @@ def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: 
         finally:
             MODULE = new
     defaults: Dict[str, Any] = {}
-    streams = re.fullmatch(r"(.*)-s([1-9][0-9]*)", access_name)
-    if streams:  # ``ACCESS-sN``: the daemon's ``maxStreams`` is N (default 1)
+    streams = STREAMS.fullmatch(access_name)
+    if streams:  # the daemon's ``maxStreams`` (default 1)
         access_name, defaults["maxStreams"] = streams.group(1), int(streams.group(2))
     cost = access_name.endswith(COST)
     if cost:

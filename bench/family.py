@@ -87,6 +87,7 @@ def run_case(case: Case, access: str, salt: str, pattern: str = "delegate", slot
     with KVSim(slots=slots, slot_ctx=4096, host_cache_tokens=host, prefill_ms=server.prefill_ms,
                decode_ms=server.decode_ms, unified_ctx=unified, batched_decode=case.server == "gpu") as sim:
         fig = agents.run_once(pattern, access, sim.url, wl, salt)
+        fig["overlap"] = sim.max_overlap()  # the most requests the server ran at once
     fig.pop("request_log", None)
     return fig
 

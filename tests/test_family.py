@@ -61,13 +61,10 @@ def test_on_four_slots_sharing_a_kv_the_daemons_max_streams_sets_how_many_reques
     # subagents' requests side by side, a daemon at the default maxStreams 1 one at a time, and
     # one named ``client-s4`` (maxStreams 4) side by side again.
     case = family.Case("gpu", "fit", "const", 3)
-    wl = family.BASE._replace(children=case.children, **family.TOOLS[case.tools])
     overlap = {}
     for access in ("none", "client", "client-s4"):
-        with family.KVSim(slots=4, slot_ctx=4096, host_cache_tokens=0, prefill_ms=0.05, decode_ms=10.0,
-                          unified_ctx=4096, batched_decode=True) as sim:
-            fig = family.agents.run_once("delegate", access, sim.url, wl, f"ci4{access}")
-            overlap[access] = sim.max_overlap()
+        fig = family.run_case(case, access, f"ci4{case.name}", slots=4)
+        overlap[access] = fig["overlap"]
         assert fig["failed"] == 0 and fig["requests"] == 3 + 3 * 4, (access, fig)
     assert overlap["client"] == 1
     assert overlap["none"] >= 2 and overlap["client-s4"] >= 2
