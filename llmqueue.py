@@ -36,13 +36,33 @@ import struct
 import sys
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict, deque, namedtuple
 from json.encoder import encode_basestring_ascii as _json_str  # the C string encoder
-from typing import (IO, TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence,
-                    Tuple, Union)
 
-if TYPE_CHECKING:  # the commands import it when they run: the daemon's start does without
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # for the checker only: the daemon starts without typing (and argparse)
     import argparse
+    from typing import (IO, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple,
+                        Union)
+else:
+    class _NamedTupleMeta(type):
+        """``class X(NamedTuple)`` at run time: ``collections.namedtuple`` of its annotated
+        fields and their defaults, with the body's methods.  typing's own checks each annotation
+        (a compile apiece, with postponed annotations) and costs a fifth of a cold start."""
+
+        def __new__(mcls, name, bases, ns):
+            if not bases:
+                return super().__new__(mcls, name, bases, ns)
+            fields = tuple(ns.get("__annotations__", ()))
+            cls = namedtuple(name, fields, defaults=[ns[f] for f in fields if f in ns],
+                             module=ns.get("__module__"))
+            for key, value in ns.items():
+                if key not in fields and key not in ("__module__", "__classcell__"):
+                    setattr(cls, key, value)
+            return cls
+
+    class NamedTuple(metaclass=_NamedTupleMeta):
+        pass
 
 __version__ = "0.1.0"
 
@@ -521,10 +541,12 @@ def _read_small_file(path: str) -> bytes:
         os.close(fd)
 
 
-Depths = Dict[str, Tuple[List[int], Optional[int]]]  # per queue: its returns' depths, the contexts learned
+if TYPE_CHECKING:  # per queue: its returns' depths, the contexts learned
+    Depths = Dict[str, Tuple[List[int], Optional[int]]]
 
 
-Rooms = Dict[str, Tuple[Optional[int], Optional[int]]]  # per queue: the tokens the server keeps (at least, below)
+if TYPE_CHECKING:  # per queue: the tokens the server keeps (at least, below)
+    Rooms = Dict[str, Tuple[Optional[int], Optional[int]]]
 
 
 def encode_state(kept: dict[str, list[float]], at: dict[str, float], depths: Optional[Depths] = None,
@@ -889,8 +911,9 @@ class LeaseTerms(NamedTuple):
 # ``status`` (linear in what it reports) and ``reconfigure`` (a rebuild).
 # =================================================================================================
 
-Conn = Any  # an opaque, hashable connection identity chosen by the caller
-Target = Tuple[Any, str]  # (connection, the queueKey that connection asked with)
+if TYPE_CHECKING:
+    Conn = Any  # an opaque, hashable connection identity chosen by the caller
+    Target = Tuple[Any, str]  # (connection, the queueKey that connection asked with)
 
 # A resumed waiter's enqueue number is taken this far below the usual ones: ahead of its tier.
 RESUME_AHEAD = 1 << 62
@@ -1469,7 +1492,8 @@ class Dead(NamedTuple):
     cost: Optional[HoldCost] = None  # issue 33's rule at the spell's end: what a hand-over would have cost
 
 
-Event = Union[Granted, Queued, Dequeued, Released, Evicted, Moved, OverCapacity, Usage, Dead]
+if TYPE_CHECKING:
+    Event = Union[Granted, Queued, Dequeued, Released, Evicted, Moved, OverCapacity, Usage, Dead]
 
 
 class _Queue:

@@ -446,3 +446,25 @@ def test_a_client_warns_once_of_a_config_of_bad_json_that_its_daemon_cannot_show
     out = run_cli("run", "--agent-dir", d, "--queue", SERVER, "--", "touch", marker)
     assert out.returncode == 0 and os.path.exists(marker), out.stderr
     assert out.stderr.count("not valid JSON") == 1 and "check-config" in out.stderr, out.stderr
+
+
+def test_the_daemon_starts_without_importing_typing_or_argparse() -> None:
+    """A cold start pays for what it imports (bench row 7): typing is for the checker, and the
+    commands import argparse when they run."""
+    code = ("import sys, llmqueue; print(sorted({'typing', 'argparse'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.abspath(lq.__file__)))
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_modules_records_are_named_tuples_with_their_defaults_and_methods() -> None:
+    """``class X(NamedTuple)`` is built without typing at run time: the fields, the defaults,
+    ``_replace`` and the body's methods are all there."""
+    policy = lq.QueuePolicy(max_streams=2)
+    assert isinstance(policy, tuple) and policy.max_streams == 2
+    assert policy.policy == "priority-aging" and policy.lease_ttl_ms == 30000  # the defaults
+    assert policy._replace(max_streams=3).max_streams == 3
+    terms = lq.LeaseTerms.of(policy)
+    assert terms == (30000, 30000) and terms.grown(40000) == (40000, 30000)  # a classmethod, a method
+    assert terms.refresh_period_ms() == 10000.0
+    assert (lq.LeaseTerms.__doc__ or "").startswith("The TTL and the idle-yield window")
