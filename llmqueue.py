@@ -191,6 +191,7 @@ THINK_MAX_MS = 120_000
 ASSUMED_PREFILL_TPS = 500.0
 RATE_SAMPLES = 8  # the latest reports with a prefill time that make a queue's measured rate
 MAX_PREFILL_MS = 86_400_000.0  # a day: a reported prefill time past this is no time
+MAX_SERVER_SLOTS = 4096  # a server that says it runs more requests at once than this says nothing
 STATE_FILE = "llm-queue-state.json"  # in the agent dir: what a switch costs, learned, for the next daemon
 STATE_KEEP_S = 7 * 24 * 3600.0  # a queue's learned switch cost older than this is forgotten
 
@@ -251,13 +252,16 @@ class QueuePolicy(NamedTuple):
     switch_cost: str = "auto"
     parent_streams: int = 1  # spare streams beyond max_streams, for parents that ask for one
     hold_rule: str = "rules"  # who decides an idle slot's hand-over: "rules" (today's), "cost" (issue 33)
+    # ``maxStreams: "auto"``: ``max_streams`` is what the server is known to run at once
+    # (``Scheduler._auto_streams``), 1 until its usage reports say
+    streams_auto: bool = False
 
 
 DEFAULT_POLICY = QueuePolicy(max_streams=1)
 
 # The wire name of each queue-policy field, its attribute, and its rule.
 _POLICY_FIELDS: Dict[str, Tuple[str, str]] = {
-    "maxStreams": ("max_streams", "positive"),
+    "maxStreams": ("max_streams", "streams"),
     "policy": ("policy", "policy"),
     "leaseTtlMs": ("lease_ttl_ms", "ttl"),
     "agingAfterSlots": ("aging_after_slots", "nonneg"),
@@ -310,9 +314,10 @@ def _is_int(value: Any) -> bool:
 def _check_field(path: str, rule: str, value: Any, errors: list[str]) -> bool:
     """Append a path-named message to ``errors`` unless ``value`` obeys ``rule``."""
     got = f"(got {_show(value)})"
-    if rule == "positive":
-        if not _is_int(value) or not 1 <= value <= MAX_CONFIG_INT:
-            errors.append(f"{path} must be a positive integer {got}")
+    if rule == "streams":
+        if value != "auto" and (not _is_int(value) or not 1 <= value <= MAX_CONFIG_INT):
+            also = ' or "auto"' if isinstance(value, str) else ""  # the spec's words for a number
+            errors.append(f"{path} must be a positive integer{also} {got}")
             return False
     elif rule == "nonneg":
         if not _is_int(value) or not 0 <= value <= MAX_CONFIG_INT:
@@ -373,6 +378,9 @@ def _overlay(base: QueuePolicy, path: str, obj: dict[str, Any], errors: list[str
     for wire, (attr, rule) in _POLICY_FIELDS.items():
         if wire in obj and _check_field(f"{path}.{wire}", rule, obj[wire], errors):
             changes[attr] = obj[wire]
+            if rule == "streams":  # "auto" starts at one stream
+                changes["streams_auto"] = obj[wire] == "auto"
+                changes[attr] = 1 if obj[wire] == "auto" else obj[wire]
     return base._replace(**changes)
 
 
@@ -890,6 +898,8 @@ class LeaseTerms(NamedTuple):
 # and returns the events that happened, in order; the daemon turns the same event objects into
 # replies and log lines, so the two cannot disagree.  Rules that hold inside:
 #   - a queue never grants past ``maxStreams``; a lowered limit never preempts (over-capacity);
+#     ``"auto"`` is the server's slots, as many as its KV holds running contexts of the largest
+#     size seen (``_auto_streams``), one until its usage reports say;
 #   - after every call, a queue with a free slot has no waiters;
 #   - waiters are ordered by (tier, sequence number taken at enqueue); aging picks the oldest
 #     child ahead of parents, it never rewrites a tier; ``fifo`` ignores tiers;
@@ -1119,6 +1129,7 @@ class Usage(NamedTuple):
     switch_cost: str = "unknown"  # the queue's switches as of this report: cheap, dear, unknown
     depth: Optional[int] = None  # with ``kept``: how many other sessions had used the slot meanwhile
     prefill_ms: Optional[float] = None  # how long the server took to prefill ``prefilled`` (``prefillMs``)
+    streams: Optional[int] = None  # ``maxStreams: "auto"``: the queue's streams, when this report changed them
 
 
 def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional[Sequence[str]] = None,
@@ -1184,7 +1195,7 @@ class _Affinity:
     share kept by each return after a switch, and at what depth."""
 
     __slots__ = ("last", "prompts", "kept", "back", "depths", "contexts", "floor", "returns", "probed",
-                 "probed_at", "prober", "rates", "room", "room_cap")
+                 "probed_at", "prober", "rates", "room", "room_cap", "growth")
 
     def __init__(self) -> None:
         self.last: Optional[str] = None
@@ -1210,6 +1221,9 @@ class _Affinity:
         # ``room`` (None: no return was kept yet), fewer than ``room_cap`` (None: none evicted).
         self.room: Optional[int] = None
         self.room_cap: Optional[int] = None
+        # the most a conversation's prompt grew from one request to its next (its reply and
+        # what came since): what a running context may still take up
+        self.growth = 0
 
     def learn_room(self, tokens: int, kept: bool) -> None:
         """A return after a switch: the session's context and every other one reported since came
@@ -1273,6 +1287,8 @@ class _Affinity:
             self.returns += 1
             if others is not None and whole:
                 self.learn_room(before + others, kept >= KEPT_CHEAP)
+        if before and whole and prefilled + reused > before:
+            self.growth = max(self.growth, prefilled + reused - before)
         self.prompts[session] = prefilled + reused
         while len(self.prompts) > 1024:
             self.prompts.popitem(last=False)
@@ -1775,6 +1791,8 @@ class Scheduler:
         # apart from the queues, which are forgotten when empty; the oldest keys go past 4096
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
         self._affinity: OrderedDict[str, _Affinity] = OrderedDict()  # the same, for switch costs
+        # the same, for what each server said of itself: (slots, tokens a slot holds)
+        self._servers: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._spells: list[Dead] = []  # dead spells ended, not yet taken (``take_dead``)
         self._forgettable: OrderedDict[str, None] = OrderedDict()  # empty, unconfigured queues
         self._seq = 0  # waiter enqueue order, scheduler-wide
@@ -1805,7 +1823,7 @@ class Scheduler:
         owner, policy = self.addressing.address_endpoint(key)
         q = self._queues.get(owner)
         if q is None:
-            q = self._queues[owner] = _Queue(owner, policy, self.addressing.configured(owner))
+            q = self._queues[owner] = _Queue(owner, self._policy_for(owner, policy), self.addressing.configured(owner))
         elif self._forgettable:
             self._forgettable.pop(owner, None)
         return q
@@ -1959,11 +1977,15 @@ class Scheduler:
         return len(leases)
 
     def usage(self, key: str, session: str, prefilled: int, reused: int, whole: bool = True,
-              prefill_ms: Optional[float] = None) -> Usage:
+              prefill_ms: Optional[float] = None, *, slots: Optional[int] = None,
+              slot_context: Optional[int] = None) -> Usage:
         """A request's token counts (the additive ``usage`` op): added to the queue's running
         totals (``status``), and logged tied to the grant the session holds there, if any.
         ``whole``: both counts were given, so together they are the whole prompt.  ``prefill_ms``:
-        how long the server took to prefill ``prefilled`` (its own timing): its prefill rate."""
+        how long the server took to prefill ``prefilled`` (its own timing): its prefill rate.
+        ``slots`` and ``slot_context``: how many requests the server runs at once and the tokens
+        one may hold (llama.cpp's ``/props``), for ``maxStreams: "auto"``; a report that changes
+        the queue's streams says so (``Usage.streams``): ``refill`` then grants its waiters."""
         resolved = self.addressing.address_endpoint(key)[0]
         q = self._queues.get(resolved)
         holder = q.holder_for(key, session) if q else None
@@ -1981,9 +2003,64 @@ class Scheduler:
         one_slot = policy.max_streams == 1 and not (q and q.spares)
         kept, depth = affinity.report(session, prefilled, reused, one_slot, whole)
         affinity.timed(prefilled, prefill_ms)
+        if slots is not None and slot_context is not None:
+            self._servers.pop(resolved, None)
+            self._servers[resolved] = (slots, slot_context)
+            while len(self._servers) > 4096:
+                self._servers.popitem(last=False)
+        streams = None
+        if q is not None and q.policy.streams_auto:
+            streams = self._auto_streams(resolved)
+            if streams == q.policy.max_streams:
+                streams = None
+            else:
+                q.policy = q.policy._replace(max_streams=streams)
         setting = policy.switch_cost
         return Usage(resolved, session, prefilled, reused, holder.seq if holder else None, kept,
-                     affinity.cost(setting), depth if kept is not None else None, prefill_ms)
+                     affinity.cost(setting), depth if kept is not None else None, prefill_ms, streams)
+
+    def _auto_streams(self, key: str) -> int:
+        """``maxStreams: "auto"``: how many requests queue ``key``'s server runs at once without
+        one pushing another's context out: its slots, and no more than the contexts of the
+        largest size seen (grown by the most one grew in a request) that one slot's tokens hold.
+        On llama-server's unified KV (its default with several slots) one slot may take all of
+        it, so this is how many running contexts fit; where each slot has its own share, it
+        errs on one stream.  One while the server's figures or the contexts' sizes are unknown."""
+        server = self._servers.get(key)
+        affinity = self._affinity.get(key)
+        if server is None or affinity is None or not affinity.prompts:
+            return 1
+        slots, tokens = server
+        need = max(affinity.prompts.values()) + affinity.growth
+        return max(1, min(slots, tokens // max(1, need)))
+
+    def _auto_figures(self, key: str) -> dict[str, Any]:
+        """What ``_auto_streams`` went by, for ``status``: the server's slots and tokens per slot
+        (once a usage report said), and the largest context seen with its growth (once sized)."""
+        figures: dict[str, Any] = {}
+        server = self._servers.get(key)
+        if server is not None:
+            figures["slots"], figures["slotContext"] = server
+        affinity = self._affinity.get(key)
+        if affinity is not None and affinity.prompts:
+            figures["context"] = max(affinity.prompts.values()) + affinity.growth
+        return figures
+
+    def _policy_for(self, key: str, policy: QueuePolicy) -> QueuePolicy:
+        """``policy`` as queue ``key`` runs it: with ``maxStreams: "auto"``, its streams now."""
+        if policy.streams_auto:
+            return policy._replace(max_streams=self._auto_streams(key))
+        return policy
+
+    def refill(self, key: str, *, now: float) -> list[Event]:
+        """Grant queue ``key``'s waiters into the streams it has free (after ``usage`` raised
+        ``maxStreams: "auto"``)."""
+        q = self._find(key)
+        events: list[Event] = []
+        if q is not None:
+            self._refill(q, now, events)
+            self._settle(q)
+        return events
 
     def _affinity_of(self, key: str) -> _Affinity:
         """The switch record of queue ``key``, made if new, as the most recently used."""
@@ -2320,7 +2397,7 @@ class Scheduler:
         for q in old.values():  # a queue that keeps its key keeps its counters
             owner, policy = addressing.address_endpoint(q.key)
             if owner == q.key:
-                q.policy = policy
+                q.policy = self._policy_for(owner, policy)
                 q.configured = addressing.configured(owner)
                 q.reset()
                 self._queues[q.key] = q
@@ -2417,6 +2494,8 @@ class Scheduler:
             }
             if q.dead_by_session:  # additive: which sessions held it so
                 head["deadMsBySession"] = {s: round(ms) for s, ms in q.dead_by_session.items()}
+            if q.policy.streams_auto:  # additive: ``maxStreams`` is "auto", and what it went by
+                head["streamsAuto"] = self._auto_figures(q.key)
             tokens = self._tokens.get(q.key)
             if tokens is not None:  # additive: only once a usage op reported for the queue
                 head["tokens"] = {"prefilled": tokens[0], "reused": tokens[1], "requests": tokens[2]}
@@ -3003,6 +3082,8 @@ class Request(NamedTuple):
     background: bool = False  # additive, on acquire: a parent with no person behind it (Scheduler.acquire)
     turn: bool = False  # additive, with ``parked``: a parent's turn is over, a person answers next (Scheduler.park)
     prefill_ms: Optional[float] = None  # additive, the usage op: how long the server took to prefill ``prefilled``
+    slots: Optional[int] = None  # additive, the usage op: requests the server runs at once (its ``/props``)
+    slot_context: Optional[int] = None  # ... and the tokens one of them may hold
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -3114,9 +3195,15 @@ def _parse_request(line: Union[bytes, str]) -> Request:
                                    or not 0 <= prefill_ms <= MAX_PREFILL_MS):
         raise ProtocolError(f"prefillMs must be a duration in milliseconds, 0 to {MAX_PREFILL_MS:.0f} "
                             f"(got {_show(prefill_ms)})")
+    server: list[Optional[int]] = []
+    for name, top in (("slots", MAX_SERVER_SLOTS), ("slotContext", MAX_TOKENS)):
+        value = msg.get(name)
+        if value is not None and (not _is_int(value) or not 1 <= value <= top):
+            raise ProtocolError(f"{name} must be a positive integer, the server's own figure (got {_show(value)})")
+        server.append(value)
     return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume),
                    counts[0], counts[1], busy, bool(spare), bool(handback), bool(gap), bool(background),
-                   bool(turn), None if prefill_ms is None else float(prefill_ms))
+                   bool(turn), None if prefill_ms is None else float(prefill_ms), server[0], server[1])
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -3143,10 +3230,12 @@ def encode_released(key: str, session: Optional[str]) -> bytes:
     return f'{{"op":"ok","queueKey":{_json_str(key)},"sessionKey":{_json_str(session)}}}\n'.encode()
 
 
-def encode_usage(key: str, session: Optional[str], cost: str) -> bytes:
+def encode_usage(key: str, session: Optional[str], cost: str, auto: bool = False) -> bytes:
     """The ``ok`` reply to ``usage``: the keys echoed, and (additive) ``switchCost``, what a
-    switch costs on the queue as learned so far (``cheap``, ``dear``, ``unknown``)."""
-    return encode_released(key, session)[:-2] + f',"switchCost":{_json_str(cost)}}}\n'.encode()
+    switch costs on the queue as learned so far (``cheap``, ``dear``, ``unknown``); ``streams:
+    "auto"`` where the queue's ``maxStreams`` is, so the reporter adds the server's figures."""
+    more = ',"streams":"auto"' if auto else ""
+    return encode_released(key, session)[:-2] + f',"switchCost":{_json_str(cost)}{more}}}\n'.encode()
 
 
 def encode_beat(key: str, session: str, granted: bool, parent_waiting: bool = False,
@@ -3194,6 +3283,8 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
             line["depth"] = event.depth
         if event.prefill_ms is not None:
             line["prefillMs"] = round(event.prefill_ms, 1)
+        if event.streams is not None:  # ``maxStreams: "auto"`` changed with this report
+            line["maxStreams"] = event.streams
         return [line]
     holder = event.holder
     base: dict[str, Any] = {"queueKey": event.queue_key, "sessionKey": holder.session, "role": ROLES[holder.role]}
@@ -3699,9 +3790,13 @@ class Daemon:
         elif op == "usage":
             assert req.queue_key is not None
             used = sched.usage(req.queue_key, session, req.prefilled or 0, req.reused or 0,
-                               req.prefilled is not None and req.reused is not None, req.prefill_ms)
+                               req.prefilled is not None and req.reused is not None, req.prefill_ms,
+                               slots=req.slots, slot_context=req.slot_context)
             self._apply([used])
-            self._send(c, encode_usage(req.queue_key, req.session_key, used.switch_cost))
+            if used.streams:  # ``maxStreams: "auto"`` rose: its waiters go now, before the reply
+                self._apply(sched.refill(req.queue_key, now=now))
+            self._send(c, encode_usage(req.queue_key, req.session_key, used.switch_cost,
+                                       sched.addressing.address_endpoint(req.queue_key)[1].streams_auto))
         elif op == "status":
             tail = b"}\n"
             if self.log_path:  # additive: where ``llmqueue report`` finds the events
@@ -4308,6 +4403,8 @@ class Client:
         self._leases: dict[tuple[str, str], list[Lease]] = {}
         self._recent_gaps: deque[float] = deque(maxlen=8)  # its sessions' tool gaps: a new one's first guess
         self._switch_costs: OrderedDict[str, str] = OrderedDict()  # per queue key, from usage replies
+        self._streams_auto: OrderedDict[str, None] = OrderedDict()  # the same: queues of maxStreams "auto"
+        self._props: OrderedDict[str, Optional[SlotStore]] = OrderedDict()  # their servers' /props, per queue key
         # per queue key, per session: a subagent's gap park, run at once should the queue learn
         # meanwhile that switches are cheap (the usage reply that says so comes after the gap began)
         self._when_cheap: OrderedDict[str, dict[str, Callable[[], None]]] = OrderedDict()
@@ -4516,6 +4613,12 @@ class Client:
                     self._statuses.pop(0).resolve(reply)
             elif op == "ok" and reply.get("switchCost") in ("cheap", "dear", "unknown"):
                 cost = str(reply["switchCost"])
+                if reply.get("streams") == "auto":
+                    self._streams_auto[key[0]] = None
+                    while len(self._streams_auto) > 1024:
+                        self._streams_auto.popitem(last=False)
+                else:
+                    self._streams_auto.pop(key[0], None)
                 was = self._switch_costs.pop(key[0], None)
                 self._switch_costs[key[0]] = cost
                 while len(self._switch_costs) > 1024:
@@ -4824,18 +4927,23 @@ class Client:
         return pending
 
     def usage(self, queue_key: str, session_key: str, prefilled: int, reused: int = 0,
-              prefill_ms: Optional[float] = None) -> None:
+              prefill_ms: Optional[float] = None, server: Optional[tuple[int, int]] = None) -> None:
         """Report one request's prompt tokens as the model server counted them: ``prefilled``
         computed afresh, ``reused`` served from its cache (llama.cpp's ``timings.prompt_n`` and
         ``cache_n``; OpenAI's ``prompt_tokens`` less ``cached_tokens``, and ``cached_tokens``).
         ``prefill_ms``: how long the prefill took (llama.cpp's ``timings.prompt_ms``, else the
         time to the stream's first token): the server's prefill rate, which prices a switch.
+        ``server``: how many requests the server runs at once and the tokens one may hold
+        (llama.cpp's ``/props``: ``total_slots`` and ``default_generation_settings.n_ctx``), which
+        a queue of ``maxStreams: "auto"`` goes by.
         They go to the event log (``llmqueue report``) and the queue's totals in ``status``.
         Never blocks, never raises for a daemon that is gone."""
         message: dict[str, Any] = {"op": "usage", "queueKey": queue_key, "sessionKey": session_key,
                                    "prefilled": int(prefilled), "reused": int(reused)}
         if prefill_ms is not None and 0 <= prefill_ms <= MAX_PREFILL_MS:
             message["prefillMs"] = round(float(prefill_ms), 3)
+        if server is not None and 0 < server[0] <= MAX_SERVER_SLOTS and 0 < server[1] <= MAX_TOKENS:
+            message["slots"], message["slotContext"] = int(server[0]), int(server[1])
         self._quietly(message)
 
     def _park_when_cheap(self, queue_key: str, session_key: str, park: Callable[[], None]) -> None:
@@ -4862,6 +4970,29 @@ class Client:
                 parks.pop(session_key, None)
                 if not parks:
                     del self._when_cheap[queue_key]
+
+    def streams_auto(self, queue_key: str) -> bool:
+        """Whether the daemon said, answering a usage report, that ``queue_key``'s ``maxStreams``
+        is ``"auto"``: its reports should then carry the server's figures (``usage``'s ``server``)."""
+        with self._cv:
+            return queue_key in self._streams_auto
+
+    def server_figures(self, queue_key: str) -> Optional[tuple[int, int]]:
+        """The server's slots and the tokens one slot holds (its ``/props``), for a queue whose
+        ``maxStreams`` the daemon said is ``"auto"``; None elsewhere, or where the queue key is
+        no server URL or its server does not say.  The server is asked once (``SlotStore``)."""
+        if not self.streams_auto(queue_key):
+            return None
+        with self._cv:
+            if queue_key not in self._props:
+                try:
+                    self._props[queue_key] = SlotStore(queue_key, 1)
+                except ValueError:  # a provider's name, not a URL
+                    self._props[queue_key] = None
+                while len(self._props) > 64:
+                    self._props.popitem(last=False)
+            store = self._props[queue_key]
+        return store.figures() if store is not None else None
 
     def switch_cost(self, queue_key: str) -> str:
         """What a switch of ``queue_key``'s slot costs, as the daemon last answered a usage report
@@ -5379,9 +5510,10 @@ class Session:
                 self.lease._set_role(role)
         self.client._quietly({"op": "role", "sessionKey": self.session_key, "role": role})
 
-    def usage(self, prefilled: int, reused: int = 0, prefill_ms: Optional[float] = None) -> None:
+    def usage(self, prefilled: int, reused: int = 0, prefill_ms: Optional[float] = None,
+              server: Optional[tuple[int, int]] = None) -> None:
         """Report one of this session's requests' prompt tokens (``Client.usage``)."""
-        self.client.usage(self.queue_key, self.session_key, prefilled, reused, prefill_ms)
+        self.client.usage(self.queue_key, self.session_key, prefilled, reused, prefill_ms, server)
 
     def report(self, response: Any) -> Optional[tuple[int, int]]:
         """Report a response's own accounting, so the daemon knows what a switch costs: pass the
@@ -5397,7 +5529,8 @@ class Session:
         scanner.feed(json.dumps(response, default=str).encode())
         counts = scanner.result()
         if counts is not None:
-            self.usage(*counts, prefill_ms=scanner.prefill_ms(0.0))
+            self.usage(*counts, prefill_ms=scanner.prefill_ms(0.0),
+                       server=self.client.server_figures(self.queue_key))  # None unless "auto"
         return counts
 
     def blocking(self) -> _Blocking:
@@ -6020,6 +6153,7 @@ class SlotStore:
         self._probed = False
         self._off_until = 0.0  # monotonic: off (no slot files there) until then
         self._total: Optional[int] = None  # the server's slot count, once its /props said
+        self._slot_context: Optional[int] = None  # and the tokens one slot holds (its n_ctx)
         self._total_asked = float("-inf")  # monotonic: when /props was last asked for it
         self.active = False
         self.switch_s = 0.0
@@ -6053,10 +6187,23 @@ class SlotStore:
 
     def _props_slots(self, props: Any) -> Optional[int]:
         total = props.get("total_slots") if isinstance(props, dict) else None
-        if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+        if isinstance(total, int) and not isinstance(total, bool) and 0 < total <= MAX_SERVER_SLOTS:
             self._total = total
+            settings = props.get("default_generation_settings")
+            n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+            if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and 0 < n_ctx <= MAX_TOKENS:
+                self._slot_context = n_ctx
             return total
         return None
+
+    def figures(self) -> Optional[tuple[int, int]]:
+        """The server's slots and the tokens one slot holds, as its ``/props`` says
+        (``total_slots``, ``default_generation_settings.n_ctx``), or None where it does not:
+        what ``maxStreams: "auto"`` goes by (the ``usage`` op's ``slots`` and ``slotContext``)."""
+        total = self.total_slots()
+        if total is None or self._slot_context is None:
+            return None
+        return total, self._slot_context
 
     def total_slots(self) -> Optional[int]:
         """How many requests the server runs at once, as its ``/props`` says (``total_slots``),
@@ -6211,6 +6358,8 @@ class Proxy:
         if isinstance(slot_files, bool) or not isinstance(slot_files, int) or slot_files < 0:
             raise ValueError(f"slot_files must be a count of files, 0 for none (got {slot_files!r})")
         self.slots: Optional[SlotStore] = SlotStore(upstream, slot_files, log=log) if slot_files else None
+        # what the server says of itself (its /props), for the daemon's ``maxStreams: "auto"``
+        self.props = self.slots or SlotStore(upstream, 1, log=log)
         self.queue_key = queue_key or normalize_url(upstream)
         self.role = role
         self.grace_ms = grace_ms
@@ -6570,7 +6719,9 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                 counts = self._scanner.result() if self._scanner is not None else None
                 if counts is not None:  # before the slot can go: the log ties it to this grant
                     proxy.client.usage(proxy.queue_key, key, *counts,
-                                       prefill_ms=self._scanner.prefill_ms(self._sent) if self._scanner else None)
+                                       prefill_ms=self._scanner.prefill_ms(self._sent) if self._scanner else None,
+                                       server=proxy.props.figures() if proxy.client.streams_auto(proxy.queue_key)
+                                       else None)
             finally:
                 proxy.end(key, ok=ok, ending=self._scanner.ending if self._scanner is not None else None,
                           person=ident.person, length=length)
@@ -7394,6 +7545,11 @@ def format_status(queues: list[dict[str, Any]]) -> str:
         slots = "passthrough" if limit is None else f"{len(holders) - spares}/{limit}"
         if spares:
             slots += f" +{spares} spare"
+        auto = q.get("streamsAuto")
+        if isinstance(auto, dict):  # ``maxStreams: "auto"``: what its number went by
+            slots += (f" (auto: {auto['slots']} slots of {auto['slotContext']:,} tokens" if "slots" in auto
+                      else " (auto: the server's slots not known yet")
+            slots += f", contexts up to {auto['context']:,})" if "context" in auto else ")"
         depth = {role: sum(1 for w in waiting if w.get("role") == role) for role in ROLES}
         out.append(f"{q.get('queueKey')}  {slots}  waiting: {depth['parent']} parent, "
                    f"{depth['child']} child  switches: {q.get('switches', 0)}")
@@ -7628,7 +7784,8 @@ def _cmd_check_config(argv: list[str]) -> int:
 
     def show(key: str) -> None:
         owner, policy = addressing.address_endpoint(key)
-        limit = "passthrough" if policy.max_streams is None else f"maxStreams {policy.max_streams}"
+        limit = ("passthrough" if policy.max_streams is None else
+                 "maxStreams auto" if policy.streams_auto else f"maxStreams {policy.max_streams}")
         print(f"{key} -> queue {owner} ({limit}, {policy.policy})")
 
     for entry in load.config.queues:

@@ -31,7 +31,8 @@ then streamed requests that grow it with the reply and a tool's output between r
 - ``client-again``, ``proxy-again``: ``client`` and ``proxy`` on a daemon (and proxy) that is
   still up after it served the same agents' run, under the same session names, with
   conversations of their own (a subagent named as before starts its next task);
-- ``ACCESS-sN`` (``client-s4``, ``proxy-cost-s2``): ACCESS with the daemon's ``maxStreams`` at N.
+- ``ACCESS-sN`` (``client-s4``, ``proxy-cost-s2``): ACCESS with the daemon's ``maxStreams`` at N;
+  ``ACCESS-sauto`` (``proxy-sauto``): at ``"auto"``, from the server's ``/props`` (the proxy asks).
 Every queued run gets a fresh daemon with the **default config** (only ``logFile`` set, for the
 dead-time figure, and what the access's name says) on a temporary agent dir.
 
@@ -983,7 +984,7 @@ ACCESS = ("none", "client", "proxy", "proxy-anon", "client-warm", "proxy-warm", 
 COST = "-cost"
 
 
-STREAMS = re.compile(r"(.*)-s([1-9][0-9]*)")  # ``ACCESS-sN``: the daemon's ``maxStreams`` is N
+STREAMS = re.compile(r"(.*)-s([1-9][0-9]*|auto)")  # ``ACCESS-sN``: the daemon's ``maxStreams`` is N
 
 
 def known(name: str) -> bool:
@@ -1019,7 +1020,8 @@ def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: 
     defaults: Dict[str, Any] = {}
     streams = STREAMS.fullmatch(access_name)
     if streams:  # the daemon's ``maxStreams`` (default 1)
-        access_name, defaults["maxStreams"] = streams.group(1), int(streams.group(2))
+        n = streams.group(2)
+        access_name, defaults["maxStreams"] = streams.group(1), n if n == "auto" else int(n)
     cost = access_name.endswith(COST)
     if cost:
         access_name = access_name[:-len(COST)]
