@@ -76,9 +76,11 @@ def run_case(case: Case, access: str, salt: str, pattern: str = "delegate", slot
     """One run of ``case`` through ``access``.  ``slots`` above 1: llama-server's default set-up,
     that many slots sharing one KV cache (``--kv-unified``), sized to run a request in every slot
     at once (smaller, the server refuses requests: the server alone would fail some), or to hold
-    every agent's context where they fit; the host cache beside it as with one slot.  So under
-    pressure only the contexts past the slots' count compete.  A GPU decodes the slots' streams
-    in shared steps (batched); a CPU does not gain from it here."""
+    every agent's context where they fit; the host cache beside it as with one slot.  As
+    llama-server does by default (``--cache-idle-slots``), each request's start moves the idle
+    slots' contexts to the host cache, so the KV holds the running contexts and the host cache
+    the others (about one of them under pressure).  A GPU decodes the slots' streams in shared
+    steps (batched); a CPU does not gain from it here."""
     wl = BASE._replace(children=case.children, turns=5, think_s=1.5, limit_s=60.0, **TOOLS[case.tools])
     context = wl.context_tokens()
     host = context * (case.children + 2) * 2 if case.cache == "fit" else int(context * 1.2)

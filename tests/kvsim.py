@@ -45,7 +45,10 @@ What it models (a deliberately small but faithful picture of llama-server's slot
   ``max_tokens``).  A request that needs more room first drops idle slots' caches, least
   recently used first (saved to the host cache when on); if busy slots still leave too little,
   it is refused with 500 ``failed to find free space in the KV cache``.  A slot's context is
-  then at most ``unified_ctx`` too.
+  then at most ``unified_ctx`` too.  With a host cache, as llama-server's ``--cache-idle-slots``
+  (on by default) does, each request's start saves every idle slot to the host cache and clears
+  it (``cache_idle_slots=False``: idle slots keep their caches until room is needed), so only
+  the running contexts stay in the KV and the host cache keeps the rest.
 - **Responses**: ``POST /v1/chat/completions`` (and ``/chat/completions``), streaming (SSE, one
   chunk per token, a final chunk with its ``finish_reason`` and llama-server's
   ``timings``, a usage chunk when ``stream_options.include_usage``, then ``[DONE]``) or not (a
@@ -198,7 +201,7 @@ class KVSim:
     def __init__(self, slots: int = 1, slot_ctx: int = 4096, host_cache_tokens: int = 0,
                  prefill_ms: float = 0.2, decode_ms: float = 1.0, restore_ms: float = 0.0,
                  unified_ctx: Optional[int] = None, port: int = 0, *, chunked: bool = False,
-                 slot_files: bool = False, batched_decode: bool = False) -> None:
+                 slot_files: bool = False, batched_decode: bool = False, cache_idle_slots: bool = True) -> None:
         if slots < 1:
             raise ValueError("slots must be at least 1")
         self.slot_ctx = slot_ctx if unified_ctx is None else min(slot_ctx, unified_ctx)
@@ -207,6 +210,9 @@ class KVSim:
         self.decode_ms = decode_ms
         self.restore_ms = restore_ms
         self.unified_ctx = unified_ctx
+        # llama-server's --cache-idle-slots, on by default: with a unified KV and a host cache,
+        # a task's start saves every idle slot to the host cache and clears it
+        self.cache_idle_slots = cache_idle_slots and unified_ctx is not None and host_cache_tokens > 0
         self.chunked = chunked
         self.slot_files = slot_files
         self._files: Dict[str, tuple] = {}  # filename -> (cache, header): the slot files on "disk"
@@ -396,6 +402,12 @@ class KVSim:
             slot.header = 0
             slot.owner = rec
             slot.reserved = need
+            if self.cache_idle_slots:
+                for idle in self._slots:
+                    if idle.owner is None and idle.cache:
+                        self._save(idle.cache)
+                        idle.cache = []
+                        idle.header = 0
             self._tick += 1
             slot.used = self._tick
             self._active += 1

@@ -256,6 +256,28 @@ def test_unified_kv_drops_idle_caches_first_and_refuses_with_500_while_busy_slot
         assert sorted(sim.slot_caches()) == [50 + 1 + 100, 150 + 1 + 100]
 
 
+def test_with_a_host_cache_a_unified_kvs_idle_slots_go_to_it_at_each_requests_start() -> None:
+    """llama-server's --cache-idle-slots (on by default): only the running contexts stay in the
+    unified KV; the others wait in the host cache, and come back from it."""
+    for idle_slots in (True, False):
+        with KVSim(slots=2, slot_ctx=1000, unified_ctx=1000, host_cache_tokens=1000, prefill_ms=0.05,
+                   decode_ms=1.0, cache_idle_slots=idle_slots) as sim:
+            a = payload([{"role": "system", "content": words("a", 99)}], max_tokens=10, user="A")
+            b = payload([{"role": "user", "content": words("b", 49)}], max_tokens=10, user="B")  # no common prefix
+            assert post(sim.port, a).status == 200
+            assert post(sim.port, b).status == 200
+            if idle_slots:
+                assert sorted(sim.slot_caches()) == [0, 50 + 1 + 10]  # A's went to the host cache
+                assert sim.host_cache_sizes() == [100 + 1 + 10]
+            else:
+                assert sorted(sim.slot_caches()) == [50 + 1 + 10, 100 + 1 + 10]
+                assert sim.host_cache_sizes() == []
+            assert post(sim.port, a).status == 200
+            again = record(sim, "A", 1)
+            assert again["prompt_n"] == 1, again  # kept, either way: in its slot, or in the host cache
+            assert again["restored"] == (100 + 1 + 10 if idle_slots else 0), (idle_slots, again)
+
+
 def test_streaming_and_non_streaming_replies_have_llama_servers_shapes(sim: KVSim) -> None:
     messages = [{"role": "user", "content": "hello kv cache"}]
     reply = post(sim.port, payload(messages, max_tokens=5, usage=True, user="s"))
