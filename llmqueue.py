@@ -899,7 +899,7 @@ class LeaseTerms(NamedTuple):
 # replies and log lines, so the two cannot disagree.  Rules that hold inside:
 #   - a queue never grants past ``maxStreams``; a lowered limit never preempts (over-capacity);
 #     ``"auto"`` is the server's slots, as many as its KV holds running contexts of the largest
-#     size seen (``_auto_streams``), one until its usage reports say;
+#     size seen (``_auto_streams``), one until its usage reports say (opt-in: see its caveat);
 #   - after every call, a queue with a free slot has no waiters;
 #   - waiters are ordered by (tier, sequence number taken at enqueue); aging picks the oldest
 #     child ahead of parents, it never rewrites a tier; ``fifo`` ignores tiers;
@@ -2020,12 +2020,14 @@ class Scheduler:
                      affinity.cost(setting), depth if kept is not None else None, prefill_ms, streams)
 
     def _auto_streams(self, key: str) -> int:
-        """``maxStreams: "auto"``: how many requests queue ``key``'s server runs at once without
-        one pushing another's context out: its slots, and no more than the contexts of the
-        largest size seen (grown by the most one grew in a request) that one slot's tokens hold.
-        On llama-server's unified KV (its default with several slots) one slot may take all of
+        """``maxStreams: "auto"``: how many requests queue ``key``'s server runs at once, every
+        one with room for its context: its slots, and no more than the contexts of the largest
+        size seen (grown by the most one grew in a request) that one slot's tokens hold.  On
+        llama-server's unified KV (its default with several slots) one slot may take all of
         it, so this is how many running contexts fit; where each slot has its own share, it
-        errs on one stream.  One while the server's figures or the contexts' sizes are unknown."""
+        errs on one stream.  One while the server's figures or the contexts' sizes are unknown.
+        It does not see the host cache, where llama-server keeps the contexts waiting through a
+        tool call: where that is short, they are prefilled again (bench/RESULTS.md)."""
         server = self._servers.get(key)
         affinity = self._affinity.get(key)
         if server is None or affinity is None or not affinity.prompts:

@@ -984,7 +984,7 @@ ACCESS = ("none", "client", "proxy", "proxy-anon", "client-warm", "proxy-warm", 
 COST = "-cost"
 
 
-STREAMS = re.compile(r"(.*)-s([1-9][0-9]*|auto)")  # ``ACCESS-sN``: the daemon's ``maxStreams`` is N
+STREAMS = re.compile(r"(.*)-s([1-9][0-9]*|auto)")  # ``ACCESS-sN``: the daemon's ``maxStreams`` is N (or auto)
 
 
 def known(name: str) -> bool:
