@@ -157,6 +157,8 @@ def test_through_the_proxy_auto_learns_the_servers_slots_and_runs_requests_side_
                 q = d.queue(lq.normalize_url(sim.base))
                 assert q["maxStreams"] == 1 and "slots" not in q["streamsAuto"]
                 assert chat_all(p.port, "first")[0] == 200  # this report carries the server's /props
+                # the report goes as the response ends, beside it: it may reach the daemon just after
+                wait_for(lambda: "slots" in d.queue(lq.normalize_url(sim.base))["streamsAuto"])
                 q = d.queue(lq.normalize_url(sim.base))
                 assert q["streamsAuto"]["slots"] == 3 and q["streamsAuto"]["slotContext"] == 4096
                 assert q["maxStreams"] == 3
