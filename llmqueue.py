@@ -4180,7 +4180,6 @@ class Daemon:
 
 
 SPAWN_BACKOFF_S = 10.0  # a daemon that would not start is not spawned again for this long
-SILENT_RETRIES = 2  # an acquire whose connection died before it answered anything is asked again
 
 
 class DaemonUnavailable(LLMQueueError):
@@ -4720,16 +4719,23 @@ class Client:
     def _wait_for_grant(self, lease: Lease, timeout: Optional[float]) -> None:
         with self._cv:
             cancels = self._cancels.get(self._owner(lease.queue_key, lease.session_key), 0)
-        for attempt in range(1, SILENT_RETRIES + 2):
-            pending = self._request_grant(lease, timeout)
+        start = time.monotonic()
+        pause = 0.005
+        while True:
+            left = None if timeout is None else max(0.0, start + timeout - time.monotonic())
+            pending = self._request_grant(lease, left)
             if pending is None:
                 return  # let through unqueued (fail-open)
-            # A connection that died before it ever answered was a daemon exiting at the very
-            # moment we connected (idle-exit): ask again, which starts a fresh one.
-            if not (pending.dead and pending.silent and attempt <= SILENT_RETRIES):
+            # A connection that died before it ever answered met a daemon in the act of exiting
+            # (idle-exit), so no daemon took the request: ask again, which reaches or starts a
+            # fresh one.  Under churn several may exit in a row; ask for as long as a daemon is
+            # given to start, then go ahead unqueued.
+            if not (pending.dead and pending.silent and time.monotonic() - start < self.spawn_timeout):
                 lease._resume = False  # answered: a hand-back's priority is used once
                 self._take_grant(lease, pending, cancels)
                 return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     def _request_grant(self, lease: Lease, timeout: Optional[float]) -> Optional[_Pending]:
         """Send the acquire and wait for its answer (a grant, a cancel, or a dead connection)."""

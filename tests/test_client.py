@@ -880,6 +880,96 @@ def test_a_fresh_connection_greets_and_asks_in_one_read_so_an_idle_exit_cannot_f
         t.join(5)
 
 
+class ExitingDaemons:
+    """A socket whose first ``silent`` connections are closed unread, as daemons do that exit idle
+    in the very instant a client connects; later ones are served (renew: ok, acquire: granted)."""
+
+    def __init__(self, silent: int) -> None:
+        self.dir = short_tmpdir()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(os.path.join(self.dir, "llm-queue.sock"))
+        self.listener.listen(8)
+        self.silent = silent
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.accepted <= self.silent:
+                conn.close()
+                continue
+            with conn:
+                buf = b""
+                while True:
+                    try:
+                        chunk = conn.recv(65536)
+                    except OSError:
+                        break
+                    if not chunk:
+                        break
+                    buf += chunk
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        m = json.loads(line)
+                        if m["op"] == "acquire":
+                            m = {"op": "granted", "queueKey": m["queueKey"], "sessionKey": m["sessionKey"]}
+                        else:
+                            m = {"op": "ok"}
+                        try:
+                            conn.sendall(json.dumps(m).encode() + b"\n")
+                        except OSError:
+                            break  # the client closed first
+
+    def close(self) -> None:
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.listener.close()
+        self.thread.join(5)
+
+
+def test_a_client_asks_again_however_many_daemons_exit_as_it_connects() -> None:
+    """Under churn, several daemons in a row may each exit idle the instant this client connects.
+    Each such connection dies before answering anything, which proves no daemon ever took the
+    request: the client asks again, and is queued, not let through unqueued."""
+    fake = ExitingDaemons(silent=6)
+    warnings: list[str] = []
+    try:
+        with lq.Client(fake.dir, autostart=False, on_warning=warnings.append) as c:
+            lease = c.acquire(K, "A", timeout=10)
+            assert lease.queued, warnings
+            assert fake.accepted == 7
+            lease.release()
+    finally:
+        fake.close()
+
+
+def test_a_client_whose_every_connection_dies_unanswered_goes_ahead_unqueued() -> None:
+    """Asking again is bounded by the time a daemon is given to start (``spawn_timeout``): a
+    socket that only ever closes unanswered lets the request through (fail-open), with a warning."""
+    fake = ExitingDaemons(silent=10**9)
+    warnings: list[str] = []
+    got: list[lq.Lease] = []
+    try:
+        c = lq.Client(fake.dir, autostart=False, spawn_timeout=0.5, on_warning=warnings.append)
+        t = threading.Thread(target=lambda: got.append(c.acquire(K, "A")), daemon=True)
+        t.start()
+        t.join(30)
+        assert got and not got[0].queued
+        assert warnings and "proceeding unqueued" in warnings[0]
+        assert fake.accepted > 3  # it did ask again, more than the old fixed count
+        c.close()
+    finally:
+        fake.close()
+
+
 def test_a_client_arriving_as_the_daemon_idle_exits_is_still_queued() -> None:
     check_idle_exit_instant(threads=3, rounds=6)
 
