@@ -949,7 +949,7 @@ class Holder:
         "queue", "session", "role", "group", "activity", "terms", "seq", "key",
         "granted_at", "last_beat", "last_activity", "conns", "held", "parked", "json",
         "idle_since", "dead_ms", "spare", "handback", "gap", "turn", "background", "rent_ms", "busy_since",
-        "asks_spare",
+        "asks_spare", "shared_ms", "mark", "at_once",
     )
 
     def __init__(self, queue: _Queue, session: str, role: int, group: Optional[str], activity: bool,
@@ -996,6 +996,12 @@ class Holder:
         # whole tenure: the rent issue 33's rule weighs against one switch (``HoldCost.before_ms``).
         self.rent_ms = 0.0
         self.busy_since: Optional[float] = now  # its request in flight began then (None: none is)
+        # The other requests of its queue in flight beside its own, summed over the time (ms),
+        # up to ``mark`` (``Scheduler._flight``); and its last request's mean of requests in
+        # flight at once, its own included: a usage report's decode went at that.
+        self.shared_ms = 0.0
+        self.mark = now
+        self.at_once = 1.0
 
     @property
     def expires_at(self) -> float:
@@ -1007,6 +1013,13 @@ class Holder:
         if not self.activity or self.terms.idle_yield_ms <= 0:
             return None
         return self.last_activity + self.terms.idle_yield_ms
+
+    def running_at_once(self) -> float:
+        """The mean of its queue's requests in flight at once over its own request in flight, its
+        own included, up to its ``mark`` (1 while none ran beside it, or none is in flight)."""
+        if self.busy_since is None or self.mark <= self.busy_since:
+            return 1.0
+        return 1.0 + self.shared_ms / (self.mark - self.busy_since)
 
     @property
     def persons(self) -> bool:
@@ -1130,6 +1143,9 @@ class Usage(NamedTuple):
     depth: Optional[int] = None  # with ``kept``: how many other sessions had used the slot meanwhile
     prefill_ms: Optional[float] = None  # how long the server took to prefill ``prefilled`` (``prefillMs``)
     streams: Optional[int] = None  # ``maxStreams: "auto"``: the queue's streams, when this report changed them
+    decode_ms: Optional[float] = None  # how long the server took to decode ``decoded`` tokens (``decodeMs``)
+    decoded: int = 0
+    at_once: Optional[float] = None  # the queue's requests in flight at once with this one, on the mean
 
 
 def switch_cost(kept: Sequence[float], setting: str = "auto", sessions: Optional[Sequence[str]] = None,
@@ -1195,7 +1211,7 @@ class _Affinity:
     share kept by each return after a switch, and at what depth."""
 
     __slots__ = ("last", "prompts", "kept", "back", "depths", "contexts", "floor", "returns", "probed",
-                 "probed_at", "prober", "rates", "room", "room_cap", "growth")
+                 "probed_at", "prober", "rates", "room", "room_cap", "growth", "solo", "paired")
 
     def __init__(self) -> None:
         self.last: Optional[str] = None
@@ -1224,6 +1240,11 @@ class _Affinity:
         # the most a conversation's prompt grew from one request to its next (its reply and
         # what came since): what a running context may still take up
         self.growth = 0
+        # the server's decode, as it timed it (``decodeMs``): (tokens, ms) of the latest requests
+        # that ran alone, and (tokens, ms, requests at once, context tokens lost) of the latest
+        # reported while the queue ran side by side (``side_by_side``)
+        self.solo: deque[tuple[int, float]] = deque(maxlen=RATE_SAMPLES)
+        self.paired: deque[tuple[int, float, float, int]] = deque(maxlen=RATE_SAMPLES)
 
     def learn_room(self, tokens: int, kept: bool) -> None:
         """A return after a switch: the session's context and every other one reported since came
@@ -1255,6 +1276,36 @@ class _Affinity:
         """A report's prefill time (``prefillMs``): how fast the server prefills, measured."""
         if prefill_ms is not None and prefilled > 0:
             self.rates.append((prefilled, prefill_ms))
+
+    def decode(self, decoded: int, decode_ms: Optional[float], streams: float, lost: int, side_by_side: bool) -> None:
+        """A report's decode (``decoded`` tokens in ``decode_ms``, with ``streams`` requests of
+        the queue in flight at once on the mean) and the tokens of its context the server had lost."""
+        timed = decode_ms is not None and decoded > 0
+        if timed and streams == 1:
+            self.solo.append((decoded, float(decode_ms or 0.0)))
+        if side_by_side or streams > 1:
+            self.paired.append((decoded if timed else 0, float(decode_ms or 0.0), streams, lost))
+
+    def side_by_side(self) -> Optional[tuple[float, float, float]]:
+        """What running requests side by side did, over the latest reports made so, in the
+        server's milliseconds: the decode it saved (each request's tokens at the time one alone
+        takes, less its share of the time they took together), that sum's own noise (the
+        standard error of a sum of the requests' savings), and the prefill it spent again on
+        the contexts the server lost meanwhile.  None until a request that ran alone and two
+        that ran beside another have been timed."""
+        tokens = sum(n for n, _ in self.solo)
+        timed = [(n, ms, k) for n, ms, k, _ in self.paired if k > 1 and n]
+        if not tokens or len(timed) < 2:
+            return None
+        alone = sum(ms for _, ms in self.solo) / tokens
+        each = [n * alone - ms / k for n, ms, k in timed]
+        saved = sum(each)
+        mean = saved / len(each)
+        noise = (sum((x - mean) ** 2 for x in each) * len(each) / (len(each) - 1)) ** 0.5
+        prefill = self.ms_per_token()
+        lost = sum(lost for _, _, _, lost in self.paired) * (
+            prefill if prefill is not None else 1000.0 / ASSUMED_PREFILL_TPS)
+        return saved, noise, lost
 
     def ms_per_token(self) -> Optional[float]:
         """The server's prefill time per token over its latest timed reports (None: none yet).
@@ -1978,14 +2029,18 @@ class Scheduler:
 
     def usage(self, key: str, session: str, prefilled: int, reused: int, whole: bool = True,
               prefill_ms: Optional[float] = None, *, slots: Optional[int] = None,
-              slot_context: Optional[int] = None) -> Usage:
+              slot_context: Optional[int] = None, decoded: int = 0, decode_ms: Optional[float] = None,
+              now: Optional[float] = None) -> Usage:
         """A request's token counts (the additive ``usage`` op): added to the queue's running
         totals (``status``), and logged tied to the grant the session holds there, if any.
         ``whole``: both counts were given, so together they are the whole prompt.  ``prefill_ms``:
         how long the server took to prefill ``prefilled`` (its own timing): its prefill rate.
         ``slots`` and ``slot_context``: how many requests the server runs at once and the tokens
         one may hold (llama.cpp's ``/props``), for ``maxStreams: "auto"``; a report that changes
-        the queue's streams says so (``Usage.streams``): ``refill`` then grants its waiters."""
+        the queue's streams says so (``Usage.streams``): ``refill`` then grants its waiters.
+        ``decoded`` and ``decode_ms``: the tokens the server generated and how long it took,
+        which with the requests in flight beside it (up to ``now``) say what running side by
+        side saves."""
         resolved = self.addressing.address_endpoint(key)[0]
         q = self._queues.get(resolved)
         holder = q.holder_for(key, session) if q else None
@@ -2001,8 +2056,19 @@ class Scheduler:
         # session's slot: an eviction there tells no bound, and counts as after one other
         policy = q.policy if q else self.addressing.address_endpoint(key)[1]
         one_slot = policy.max_streams == 1 and not (q and q.spares)
+        before = affinity.prompts.get(session)
         kept, depth = affinity.report(session, prefilled, reused, one_slot, whole)
         affinity.timed(prefilled, prefill_ms)
+        at_once: Optional[float] = None
+        if holder is not None and q is not None:
+            if holder.busy_since is not None:  # the report of its request in flight
+                if now is not None:
+                    self._flight(q, now)
+                at_once = holder.running_at_once()
+            else:  # of the one that ended last
+                at_once = holder.at_once
+            lost = max(0, (before or 0) - reused) if kept is not None and whole else 0
+            affinity.decode(decoded, decode_ms, at_once, lost, (policy.max_streams or 1) > 1)
         if slots is not None and slot_context is not None:
             self._servers.pop(resolved, None)
             self._servers[resolved] = (slots, slot_context)
@@ -2017,7 +2083,8 @@ class Scheduler:
                 q.policy = q.policy._replace(max_streams=streams)
         setting = policy.switch_cost
         return Usage(resolved, session, prefilled, reused, holder.seq if holder else None, kept,
-                     affinity.cost(setting), depth if kept is not None else None, prefill_ms, streams)
+                     affinity.cost(setting), depth if kept is not None else None, prefill_ms, streams,
+                     decode_ms if decoded else None, decoded, at_once)
 
     def _auto_streams(self, key: str) -> int:
         """``maxStreams: "auto"``: how many requests queue ``key``'s server runs at once, every
@@ -2027,7 +2094,9 @@ class Scheduler:
         it, so this is how many running contexts fit; where each slot has its own share, it
         errs on one stream.  One while the server's figures or the contexts' sizes are unknown.
         It does not see the host cache, where llama-server keeps the contexts waiting through a
-        tool call: where that is short, they are prefilled again (bench/RESULTS.md)."""
+        tool call: where that is short, they are prefilled again (bench/RESULTS.md).  What
+        running side by side saved and cost is shown beside it (``_Affinity.side_by_side``),
+        not acted on: two rules that acted on it lost (bench/RESULTS.md, December 7)."""
         server = self._servers.get(key)
         affinity = self._affinity.get(key)
         if server is None or affinity is None or not affinity.prompts:
@@ -2046,6 +2115,9 @@ class Scheduler:
         affinity = self._affinity.get(key)
         if affinity is not None and affinity.prompts:
             figures["context"] = max(affinity.prompts.values()) + affinity.growth
+        paid = affinity.side_by_side() if affinity is not None else None
+        if paid is not None:  # what running side by side saved in decode, and spent in prefill
+            figures["savedMs"], figures["noiseMs"], figures["reprefillMs"] = (round(x) for x in paid)
         return figures
 
     def _policy_for(self, key: str, policy: QueuePolicy) -> QueuePolicy:
@@ -2574,6 +2646,7 @@ class Scheduler:
             q.spares += 1
         elif tier == PARENT:
             q.parents += 1
+        self._flight(q, now)  # before it joins the requests in flight
         q.holders[session] = holder
         self._held += 1
         self._push(self._ttl_heap, holder.expires_at, holder)
@@ -2645,7 +2718,18 @@ class Scheduler:
             holder.idle_since = now
         if holder.busy_since is not None:
             holder.queue.requests[holder.role].append(now - holder.busy_since)
+            self._flight(holder.queue, now)
+            holder.at_once = holder.running_at_once()
             holder.busy_since = None
+
+    @staticmethod
+    def _flight(q: _Queue, now: float) -> None:
+        """Before the queue's requests in flight change at ``now``: each of them ran beside the
+        others since its ``mark``."""
+        flying = [h for h in q.all_holders() if h.busy_since is not None]
+        for h in flying:
+            h.shared_ms += (now - h.mark) * (len(flying) - 1)
+            h.mark = now
 
     def _busy(self, holder: Holder, now: float) -> None:
         """The holder's idle spell ends at ``now``: the part of it during which someone waited
@@ -2655,7 +2739,9 @@ class Scheduler:
         if since is None:
             return
         holder.idle_since = None
-        holder.busy_since = now
+        self._flight(holder.queue, now)
+        holder.busy_since = holder.mark = now
+        holder.shared_ms = 0.0
         q = holder.queue
         # who could have used the slot: anyone for a slot of max_streams, a parent that asked for
         # one for a spare stream
@@ -2727,6 +2813,7 @@ class Scheduler:
     def _drop_lease(self, holder: Holder, event: Event, events: list[Event], now: float) -> None:
         if isinstance(event, Released) and event.reason == "release" and holder.busy_since is not None:
             holder.queue.requests[holder.role].append(now - holder.busy_since)  # a request's end
+        self._flight(holder.queue, now)
         self._busy(holder, now)  # before a waiter is granted: it waited until now
         holder.held = False
         self._held -= 1
@@ -3086,6 +3173,8 @@ class Request(NamedTuple):
     prefill_ms: Optional[float] = None  # additive, the usage op: how long the server took to prefill ``prefilled``
     slots: Optional[int] = None  # additive, the usage op: requests the server runs at once (its ``/props``)
     slot_context: Optional[int] = None  # ... and the tokens one of them may hold
+    decode_ms: Optional[float] = None  # additive, the usage op: how long the server took to decode ``decoded``
+    decoded: Optional[int] = None  # ... the tokens it generated
 
 
 def _text_field(msg: dict[str, Any], name: str) -> Optional[str]:
@@ -3197,6 +3286,14 @@ def _parse_request(line: Union[bytes, str]) -> Request:
                                    or not 0 <= prefill_ms <= MAX_PREFILL_MS):
         raise ProtocolError(f"prefillMs must be a duration in milliseconds, 0 to {MAX_PREFILL_MS:.0f} "
                             f"(got {_show(prefill_ms)})")
+    decode_ms = msg.get("decodeMs")
+    if decode_ms is not None and (not isinstance(decode_ms, (int, float)) or isinstance(decode_ms, bool)
+                                  or not 0 <= decode_ms <= MAX_PREFILL_MS):
+        raise ProtocolError(f"decodeMs must be a duration in milliseconds, 0 to {MAX_PREFILL_MS:.0f} "
+                            f"(got {_show(decode_ms)})")
+    decoded = msg.get("decoded")
+    if decoded is not None and (not _is_int(decoded) or not 0 <= decoded <= MAX_TOKENS):
+        raise ProtocolError(f"decoded must be a token count, a non-negative integer (got {_show(decoded)})")
     server: list[Optional[int]] = []
     for name, top in (("slots", MAX_SERVER_SLOTS), ("slotContext", MAX_TOKENS)):
         value = msg.get(name)
@@ -3205,7 +3302,8 @@ def _parse_request(line: Union[bytes, str]) -> Request:
         server.append(value)
     return Request(op, queue_key, session_key, role, group, bool(activity), bool(parked), bool(resume),
                    counts[0], counts[1], busy, bool(spare), bool(handback), bool(gap), bool(background),
-                   bool(turn), None if prefill_ms is None else float(prefill_ms), server[0], server[1])
+                   bool(turn), None if prefill_ms is None else float(prefill_ms), server[0], server[1],
+                   None if decode_ms is None else float(decode_ms), decoded)
 
 
 def _line(obj: dict[str, Any]) -> bytes:
@@ -3287,6 +3385,10 @@ def _event_record(event: Event) -> list[dict[str, Any]]:
             line["prefillMs"] = round(event.prefill_ms, 1)
         if event.streams is not None:  # ``maxStreams: "auto"`` changed with this report
             line["maxStreams"] = event.streams
+        if event.decode_ms is not None:  # additive: the server's decode, and how many ran at once
+            line["decoded"], line["decodeMs"] = event.decoded, round(event.decode_ms, 1)
+        if event.at_once is not None and event.at_once > 1:
+            line["atOnce"] = round(event.at_once, 2)
         return [line]
     holder = event.holder
     base: dict[str, Any] = {"queueKey": event.queue_key, "sessionKey": holder.session, "role": ROLES[holder.role]}
@@ -3793,7 +3895,8 @@ class Daemon:
             assert req.queue_key is not None
             used = sched.usage(req.queue_key, session, req.prefilled or 0, req.reused or 0,
                                req.prefilled is not None and req.reused is not None, req.prefill_ms,
-                               slots=req.slots, slot_context=req.slot_context)
+                               slots=req.slots, slot_context=req.slot_context, decoded=req.decoded or 0,
+                               decode_ms=req.decode_ms, now=now)
             self._apply([used])
             if used.streams:  # ``maxStreams: "auto"`` rose: its waiters go now, before the reply
                 self._apply(sched.refill(req.queue_key, now=now))
@@ -4935,7 +5038,8 @@ class Client:
         return pending
 
     def usage(self, queue_key: str, session_key: str, prefilled: int, reused: int = 0,
-              prefill_ms: Optional[float] = None, server: Optional[tuple[int, int]] = None) -> None:
+              prefill_ms: Optional[float] = None, server: Optional[tuple[int, int]] = None,
+              decode: Optional[tuple[int, float]] = None) -> None:
         """Report one request's prompt tokens as the model server counted them: ``prefilled``
         computed afresh, ``reused`` served from its cache (llama.cpp's ``timings.prompt_n`` and
         ``cache_n``; OpenAI's ``prompt_tokens`` less ``cached_tokens``, and ``cached_tokens``).
@@ -4943,7 +5047,9 @@ class Client:
         time to the stream's first token): the server's prefill rate, which prices a switch.
         ``server``: how many requests the server runs at once and the tokens one may hold
         (llama.cpp's ``/props``: ``total_slots`` and ``default_generation_settings.n_ctx``), which
-        a queue of ``maxStreams: "auto"`` goes by.
+        a queue of ``maxStreams: "auto"`` goes by.  ``decode``: the tokens the server generated
+        and the milliseconds that took (llama.cpp's ``timings.predicted_n`` and ``predicted_ms``),
+        from which such a queue's ``status`` shows what running side by side saved.
         They go to the event log (``llmqueue report``) and the queue's totals in ``status``.
         Never blocks, never raises for a daemon that is gone."""
         message: dict[str, Any] = {"op": "usage", "queueKey": queue_key, "sessionKey": session_key,
@@ -4952,6 +5058,8 @@ class Client:
             message["prefillMs"] = round(float(prefill_ms), 3)
         if server is not None and 0 < server[0] <= MAX_SERVER_SLOTS and 0 < server[1] <= MAX_TOKENS:
             message["slots"], message["slotContext"] = int(server[0]), int(server[1])
+        if decode is not None and 0 <= decode[0] <= MAX_TOKENS and 0 <= decode[1] <= MAX_PREFILL_MS:
+            message["decoded"], message["decodeMs"] = int(decode[0]), round(float(decode[1]), 3)
         self._quietly(message)
 
     def _park_when_cheap(self, queue_key: str, session_key: str, park: Callable[[], None]) -> None:
@@ -5519,9 +5627,9 @@ class Session:
         self.client._quietly({"op": "role", "sessionKey": self.session_key, "role": role})
 
     def usage(self, prefilled: int, reused: int = 0, prefill_ms: Optional[float] = None,
-              server: Optional[tuple[int, int]] = None) -> None:
+              server: Optional[tuple[int, int]] = None, decode: Optional[tuple[int, float]] = None) -> None:
         """Report one of this session's requests' prompt tokens (``Client.usage``)."""
-        self.client.usage(self.queue_key, self.session_key, prefilled, reused, prefill_ms, server)
+        self.client.usage(self.queue_key, self.session_key, prefilled, reused, prefill_ms, server, decode)
 
     def report(self, response: Any) -> Optional[tuple[int, int]]:
         """Report a response's own accounting, so the daemon knows what a switch costs: pass the
@@ -5538,7 +5646,8 @@ class Session:
         counts = scanner.result()
         if counts is not None:
             self.usage(*counts, prefill_ms=scanner.prefill_ms(0.0),
-                       server=self.client.server_figures(self.queue_key))  # None unless "auto"
+                       server=self.client.server_figures(self.queue_key),  # None unless "auto"
+                       decode=scanner.decode())
         return counts
 
     def blocking(self) -> _Blocking:
@@ -6039,6 +6148,16 @@ class UsageScanner:
             self._take(bytes(self._body))
             self._body = bytearray()
         return token_counts(self.timings, self.usage)
+
+    def decode(self) -> Optional[tuple[int, float]]:
+        """The tokens the server generated and how long that took (ms), by its own ``timings``
+        (llama.cpp's ``predicted_n`` and ``predicted_ms``); None where it does not say."""
+        if self.timings is None:
+            return None
+        n, ms = _count(self.timings.get("predicted_n")), self.timings.get("predicted_ms")
+        if n is None or not isinstance(ms, (int, float)) or isinstance(ms, bool) or not 0 <= ms <= MAX_PREFILL_MS:
+            return None
+        return n, float(ms)
 
     def prefill_ms(self, sent: float) -> Optional[float]:
         """How long the server took to prefill the prompt: its own ``timings.prompt_ms``
@@ -6729,7 +6848,7 @@ def _make_proxy_handler(proxy: Proxy) -> Any:
                     proxy.client.usage(proxy.queue_key, key, *counts,
                                        prefill_ms=self._scanner.prefill_ms(self._sent) if self._scanner else None,
                                        server=proxy.props.figures() if proxy.client.streams_auto(proxy.queue_key)
-                                       else None)
+                                       else None, decode=self._scanner.decode() if self._scanner else None)
             finally:
                 proxy.end(key, ok=ok, ending=self._scanner.ending if self._scanner is not None else None,
                           person=ident.person, length=length)
@@ -7557,7 +7676,11 @@ def format_status(queues: list[dict[str, Any]]) -> str:
         if isinstance(auto, dict):  # ``maxStreams: "auto"``: what its number went by
             slots += (f" (auto: {auto['slots']} slots of {auto['slotContext']:,} tokens" if "slots" in auto
                       else " (auto: the server's slots not known yet")
-            slots += f", contexts up to {auto['context']:,})" if "context" in auto else ")"
+            slots += f", contexts up to {auto['context']:,}" if "context" in auto else ""
+            if "savedMs" in auto:  # what running side by side saved in decode, and cost in prefill
+                slots += (f"; side by side saved {auto['savedMs'] / 1000:.1f} s of decode, "
+                          f"re-prefilled {auto['reprefillMs'] / 1000:.1f} s")
+            slots += ")"
         depth = {role: sum(1 for w in waiting if w.get("role") == role) for role in ROLES}
         out.append(f"{q.get('queueKey')}  {slots}  waiting: {depth['parent']} parent, "
                    f"{depth['child']} child  switches: {q.get('switches', 0)}")

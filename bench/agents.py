@@ -234,6 +234,7 @@ class Reply(NamedTuple):
     completion_n: Optional[int] = None  # tokens it generated
     finish: Optional[str] = None  # its finish_reason: "stop" for an answer, "length" when cut
     prompt_ms: Optional[float] = None  # how long the server took to prefill (llama.cpp's timings.prompt_ms)
+    decode_ms: Optional[float] = None  # how long it took to generate completion_n (timings.predicted_ms)
 
 
 def v1_base(url: str) -> str:
@@ -317,9 +318,11 @@ def stream_chat(base: str, messages: List[Dict[str, str]], max_tokens: int,
     prompt_n, cache_n = _accounting(timings, usage)
     completion = timings.get("predicted_n", usage.get("completion_tokens"))
     prompt_ms = timings.get("prompt_ms")
+    decode_ms = timings.get("predicted_ms")
     return Reply(True, 200, "".join(parts), first, now(), prompt_n, cache_n, "",
                  completion if isinstance(completion, int) else None, finish,
-                 float(prompt_ms) if isinstance(prompt_ms, (int, float)) else None)
+                 float(prompt_ms) if isinstance(prompt_ms, (int, float)) else None,
+                 float(decode_ms) if isinstance(decode_ms, (int, float)) else None)
 
 
 def _accounting(timings: Dict[str, Any], usage: Dict[str, Any]) -> Tuple[Optional[int], Optional[int]]:
@@ -404,9 +407,13 @@ class ClientAccess(Access):
         return self._session(agent).tool(name)  # type: ignore[no-any-return]
 
     def reported(self, agent: "Agent", reply: "Reply") -> None:
-        if reply.prompt_n is not None:  # as a Client user would: the server's counts, to the log
+        if reply.prompt_n is not None:  # as Session.report would: the server's counts and times
+            decode = None
+            if reply.completion_n is not None and reply.decode_ms is not None:
+                decode = (reply.completion_n, reply.decode_ms)
             self.client.usage(self.queue_key, agent.session, reply.prompt_n, reply.cache_n or 0,
-                              prefill_ms=reply.prompt_ms)
+                              prefill_ms=reply.prompt_ms, server=self.client.server_figures(self.queue_key),
+                              decode=decode)
 
     def close(self) -> None:
         with self.lock:
