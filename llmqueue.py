@@ -7065,7 +7065,7 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             q = queues[key] = {"holds": [], "waits": [], "open": {}, "waiting": {}, "switches": [],
                                "idle": [], "parked": [], "handback": [], "evictions": [], "config": [], "grants": [],
                                "sessions": {}, "usage": [], "switch_seqs": set(), "kept": [], "dead": [],
-                               "past_switch": []}
+                               "past_switch": [], "timed": []}
         kind, t = e["event"], e["t"]
         if kind == "config":
             q["config"].append(t)
@@ -7098,6 +7098,10 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             prefilled, reused = e.get("prefilled"), e.get("reused")
             if _count(prefilled) is not None and _count(reused) is not None:
                 q["usage"].append((t, session, prefilled, reused, e.get("seq")))
+                times = [e.get(name) for name in ("prefillMs", "decodeMs")]
+                q["timed"].append((t, e.get("seq"), *(float(ms) if isinstance(ms, (int, float))
+                                                       and not isinstance(ms, bool) and ms >= 0 else None
+                                                       for ms in times)))
             kept, depth = e.get("kept"), _count(e.get("depth"))
             if isinstance(kept, (int, float)) and not isinstance(kept, bool) and 0 <= kept <= 1:
                 q["kept"].append((t, float(kept), session, depth if depth is not None and depth >= 1 else 1))
@@ -7146,7 +7150,8 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
                  queue: Optional[str] = None) -> dict[str, Any]:
     """The figures of ``llmqueue report``: per queue, grants, switches (and per hour), time held
     per tier and per session, waits per tier (p50/p95/max), idle yields, TTL evictions,
-    over-capacity reloads, and utilisation (share of the window with a slot held)."""
+    over-capacity reloads, utilisation (share of the window with a slot held), and where the
+    server timed its requests, its prefill (after switches too) and decode (``serverMs``)."""
     if not events:
         return {"since": None, "until": None, "queues": {}}
     start = since if since is not None else events[0]["t"]
@@ -7228,6 +7233,20 @@ def build_report(events: list[dict[str, Any]], since: Optional[float] = None, un
             out["queues"][key]["deadPricedMs"] = round(sum(ms for _, ms in priced))
         if tokens is not None:
             out["queues"][key]["tokens"] = tokens
+        timed = [u for u in q["timed"] if inside(u[0])]
+        if any(p is not None or d is not None for _, _, p, d in timed):
+            # additive (issue 33): where the server's time went, as it timed it
+            firsts: set[Any] = set()
+            after = 0.0
+            for _, seq, p, _ in timed:
+                if seq is not None and seq not in firsts:
+                    firsts.add(seq)
+                    if seq in q["switch_seqs"]:
+                        after += p or 0.0
+            out["queues"][key]["serverMs"] = {
+                "timed": sum(1 for _, _, p, d in timed if p is not None or d is not None),
+                "prefill": round(sum(p or 0.0 for _, _, p, _ in timed)), "prefillAfterSwitch": round(after),
+                "decode": round(sum(d or 0.0 for _, _, _, d in timed))}
     return out
 
 
@@ -7315,6 +7334,11 @@ def format_report(report: dict[str, Any]) -> str:
             if back and back["requests"]:
                 out.append(f"  back after a switch: {back['requests']} request{'s' if back['requests'] != 1 else ''} found {back['meanKept'] * 100:.0f}% "
                            f"of their context kept: switches are {back['switchCost']}")
+            server = r.get("serverMs")
+            if server:
+                out.append(f"  server time, as it timed {server['timed']} of {tokens['requests']} requests: "
+                           f"prefill {_duration(server['prefill'])} (after a switch "
+                           f"{_duration(server['prefillAfterSwitch'])}), decode {_duration(server['decode'])}")
             rows = list(tokens["bySession"].items())
             shown = ", ".join(f"{s} {v['prefilled']:,}/{v['reused']:,}" for s, v in rows[:8])
             more = f", and {len(rows) - 8} more" if len(rows) > 8 else ""

@@ -240,6 +240,31 @@ def test_the_report_shows_tokens_per_queue_and_session_and_the_prefill_after_eac
         "http://gpu:8001/v1"]
 
 
+def test_the_report_adds_up_where_the_servers_time_went() -> None:
+    """Issue 33: prefill, of it the first request's after each switch, and decode, as the server
+    timed them (``prefillMs``, ``decodeMs`` on the usage lines), beside the dead time."""
+    r = report(write([
+        line(0, "grant", sessionKey="A", role="parent", seq=1),
+        line(1, "usage", sessionKey="A", prefilled=1000, reused=0, seq=1, prefillMs=2000.0, decoded=50, decodeMs=1000.0),
+        line(2, "queued", sessionKey="B", role="child"),
+        line(3, "release", sessionKey="A", role="parent", reason="release"),
+        line(3, "grant", sessionKey="B", role="child", seq=2),
+        line(3, "switch", sessionKey="B", role="child", seq=2),
+        line(4, "usage", sessionKey="B", prefilled=800, reused=0, seq=2, prefillMs=1600.0, decoded=20, decodeMs=400.0),
+        line(5, "usage", sessionKey="B", prefilled=40, reused=800, seq=2, prefillMs=80.0),
+        line(6, "usage", sessionKey="B", prefilled=40, reused=840, seq=2),  # untimed: counted as such
+    ]))
+    q = r["queues"]["http://gpu:8001/v1"]
+    assert q["serverMs"] == {"timed": 3, "prefill": 3680, "prefillAfterSwitch": 1600, "decode": 1400}
+    text = lq.format_report(r)
+    assert ("server time, as it timed 3 of 4 requests: prefill 3.7s (after a switch 1.6s), "
+            "decode 1.4s") in text
+    # No timings, no such figures.
+    plain = report(write([line(0, "grant", sessionKey="A", role="parent", seq=1),
+                          line(1, "usage", sessionKey="A", prefilled=10, reused=0, seq=1)]))
+    assert "serverMs" not in plain["queues"]["http://gpu:8001/v1"]
+
+
 def test_the_report_window_cuts_the_tokens_too() -> None:
     path = write([
         line(0, "grant", sessionKey="A", role="parent", seq=1),
