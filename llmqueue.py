@@ -7053,6 +7053,12 @@ def _parse_when(text: str, end: float) -> float:
     return when.timestamp()
 
 
+def _log_ms(value: Any) -> Optional[float]:
+    """A duration a log line gives, or None where it gives none the daemon could have written."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= MAX_PREFILL_MS
+    return float(value) if ok else None
+
+
 def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per queue: its holds, waits and point events (switches, idle yields, evictions,
     over-capacity reloads), replayed from the log."""
@@ -7098,10 +7104,7 @@ def replay(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             prefilled, reused = e.get("prefilled"), e.get("reused")
             if _count(prefilled) is not None and _count(reused) is not None:
                 q["usage"].append((t, session, prefilled, reused, e.get("seq")))
-                times = [e.get(name) for name in ("prefillMs", "decodeMs")]
-                q["timed"].append((t, e.get("seq"), *(float(ms) if isinstance(ms, (int, float))
-                                                       and not isinstance(ms, bool) and ms >= 0 else None
-                                                       for ms in times)))
+                q["timed"].append((t, e.get("seq"), _log_ms(e.get("prefillMs")), _log_ms(e.get("decodeMs"))))
             kept, depth = e.get("kept"), _count(e.get("depth"))
             if isinstance(kept, (int, float)) and not isinstance(kept, bool) and 0 <= kept <= 1:
                 q["kept"].append((t, float(kept), session, depth if depth is not None and depth >= 1 else 1))

@@ -253,11 +253,12 @@ def test_the_report_adds_up_where_the_servers_time_went() -> None:
         line(4, "usage", sessionKey="B", prefilled=800, reused=0, seq=2, prefillMs=1600.0, decoded=20, decodeMs=400.0),
         line(5, "usage", sessionKey="B", prefilled=40, reused=800, seq=2, prefillMs=80.0),
         line(6, "usage", sessionKey="B", prefilled=40, reused=840, seq=2),  # untimed: counted as such
+        line(7, "usage", sessionKey="B", prefilled=40, reused=880, seq=2, prefillMs=1e400, decodeMs=-1),  # garbage
     ]))
     q = r["queues"]["http://gpu:8001/v1"]
     assert q["serverMs"] == {"timed": 3, "prefill": 3680, "prefillAfterSwitch": 1600, "decode": 1400}
     text = lq.format_report(r)
-    assert ("server time, as it timed 3 of 4 requests: prefill 3.7s (after a switch 1.6s), "
+    assert ("server time, as it timed 3 of 5 requests: prefill 3.7s (after a switch 1.6s), "
             "decode 1.4s") in text
     # No timings, no such figures.
     plain = report(write([line(0, "grant", sessionKey="A", role="parent", seq=1),
