@@ -880,59 +880,29 @@ def test_a_fresh_connection_greets_and_asks_in_one_read_so_an_idle_exit_cannot_f
         t.join(5)
 
 
-class ExitingDaemons:
-    """A socket whose first ``silent`` connections are closed unread, as daemons do that exit idle
-    in the very instant a client connects; later ones are served (renew: ok, acquire: granted)."""
+class ExitingDaemons(FakeDaemon):
+    """A FakeDaemon whose first ``silent`` connections are closed unread, as daemons do that exit
+    idle in the very instant a client connects; later ones are served (renew: ok, acquire:
+    granted)."""
 
     def __init__(self, silent: int) -> None:
-        self.dir = short_tmpdir()
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(os.path.join(self.dir, "llm-queue.sock"))
-        self.listener.listen(8)
         self.silent = silent
         self.accepted = 0
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        super().__init__(self._answer)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            if self.accepted <= self.silent:
-                conn.close()
-                continue
-            with conn:
-                buf = b""
-                while True:
-                    try:
-                        chunk = conn.recv(65536)
-                    except OSError:
-                        break
-                    if not chunk:
-                        break
-                    buf += chunk
-                    while b"\n" in buf:
-                        line, buf = buf.split(b"\n", 1)
-                        m = json.loads(line)
-                        if m["op"] == "acquire":
-                            m = {"op": "granted", "queueKey": m["queueKey"], "sessionKey": m["sessionKey"]}
-                        else:
-                            m = {"op": "ok"}
-                        try:
-                            conn.sendall(json.dumps(m).encode() + b"\n")
-                        except OSError:
-                            break  # the client closed first
+    @staticmethod
+    def _answer(m: dict[str, Any], send: Callable[[dict[str, Any]], None]) -> None:
+        if m["op"] == "acquire":
+            send({"op": "granted", "queueKey": m["queueKey"], "sessionKey": m["sessionKey"]})
+        else:
+            send({"op": "ok"})
 
-    def close(self) -> None:
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.listener.close()
-        self.thread.join(5)
+    def _talk(self, conn: socket.socket) -> None:
+        self.accepted += 1
+        if self.accepted <= self.silent:
+            conn.close()
+            return
+        super()._talk(conn)
 
 
 def test_a_client_asks_again_however_many_daemons_exit_as_it_connects() -> None:
