@@ -1211,7 +1211,7 @@ class _Affinity:
     share kept by each return after a switch, and at what depth."""
 
     __slots__ = ("last", "prompts", "kept", "back", "depths", "contexts", "floor", "returns", "probed",
-                 "probed_at", "prober", "rates", "room", "room_cap", "growth", "solo", "paired")
+                 "probed_at", "prober", "rates", "room", "room_cap", "growth")
 
     def __init__(self) -> None:
         self.last: Optional[str] = None
@@ -1240,11 +1240,6 @@ class _Affinity:
         # the most a conversation's prompt grew from one request to its next (its reply and
         # what came since): what a running context may still take up
         self.growth = 0
-        # the server's decode, as it timed it (``decodeMs``): (tokens, ms) of the latest requests
-        # that ran alone, and (tokens, ms, requests at once, context tokens lost) of the latest
-        # reported while the queue ran side by side (``side_by_side``)
-        self.solo: deque[tuple[int, float]] = deque(maxlen=RATE_SAMPLES)
-        self.paired: deque[tuple[int, float, float, int]] = deque(maxlen=RATE_SAMPLES)
 
     def learn_room(self, tokens: int, kept: bool) -> None:
         """A return after a switch: the session's context and every other one reported since came
@@ -1276,36 +1271,6 @@ class _Affinity:
         """A report's prefill time (``prefillMs``): how fast the server prefills, measured."""
         if prefill_ms is not None and prefilled > 0:
             self.rates.append((prefilled, prefill_ms))
-
-    def decode(self, decoded: int, decode_ms: Optional[float], streams: float, lost: int, side_by_side: bool) -> None:
-        """A report's decode (``decoded`` tokens in ``decode_ms``, with ``streams`` requests of
-        the queue in flight at once on the mean) and the tokens of its context the server had lost."""
-        timed = decode_ms is not None and decoded > 0
-        if timed and streams == 1:
-            self.solo.append((decoded, float(decode_ms or 0.0)))
-        if side_by_side or streams > 1:
-            self.paired.append((decoded if timed else 0, float(decode_ms or 0.0), streams, lost))
-
-    def side_by_side(self) -> Optional[tuple[float, float, float]]:
-        """What running requests side by side did, over the latest reports made so, in the
-        server's milliseconds: the decode it saved (each request's tokens at the time one alone
-        takes, less its share of the time they took together), that sum's own noise (the
-        standard error of a sum of the requests' savings), and the prefill it spent again on
-        the contexts the server lost meanwhile.  None until a request that ran alone and two
-        that ran beside another have been timed."""
-        tokens = sum(n for n, _ in self.solo)
-        timed = [(n, ms, k) for n, ms, k, _ in self.paired if k > 1 and n]
-        if not tokens or len(timed) < 2:
-            return None
-        alone = sum(ms for _, ms in self.solo) / tokens
-        each = [n * alone - ms / k for n, ms, k in timed]
-        saved = sum(each)
-        mean = saved / len(each)
-        noise = (sum((x - mean) ** 2 for x in each) * len(each) / (len(each) - 1)) ** 0.5
-        prefill = self.ms_per_token()
-        lost = sum(lost for _, _, _, lost in self.paired) * (
-            prefill if prefill is not None else 1000.0 / ASSUMED_PREFILL_TPS)
-        return saved, noise, lost
 
     def ms_per_token(self) -> Optional[float]:
         """The server's prefill time per token over its latest timed reports (None: none yet).
@@ -2039,8 +2004,7 @@ class Scheduler:
         one may hold (llama.cpp's ``/props``), for ``maxStreams: "auto"``; a report that changes
         the queue's streams says so (``Usage.streams``): ``refill`` then grants its waiters.
         ``decoded`` and ``decode_ms``: the tokens the server generated and how long it took,
-        which with the requests in flight beside it (up to ``now``) say what running side by
-        side saves."""
+        logged with the mean of the queue's requests in flight at once beside it (up to ``now``)."""
         resolved = self.addressing.address_endpoint(key)[0]
         q = self._queues.get(resolved)
         holder = q.holder_for(key, session) if q else None
@@ -2056,19 +2020,13 @@ class Scheduler:
         # session's slot: an eviction there tells no bound, and counts as after one other
         policy = q.policy if q else self.addressing.address_endpoint(key)[1]
         one_slot = policy.max_streams == 1 and not (q and q.spares)
-        before = affinity.prompts.get(session)
         kept, depth = affinity.report(session, prefilled, reused, one_slot, whole)
         affinity.timed(prefilled, prefill_ms)
-        at_once: Optional[float] = None
+        at_once: Optional[float] = None  # of its request in flight, else of the one that ended last
         if holder is not None and q is not None:
-            if holder.busy_since is not None:  # the report of its request in flight
-                if now is not None:
-                    self._flight(q, now)
-                at_once = holder.running_at_once()
-            else:  # of the one that ended last
-                at_once = holder.at_once
-            lost = max(0, (before or 0) - reused) if kept is not None and whole else 0
-            affinity.decode(decoded, decode_ms, at_once, lost, (policy.max_streams or 1) > 1)
+            if holder.busy_since is not None and now is not None:
+                self._flight(q, now)
+            at_once = holder.running_at_once() if holder.busy_since is not None else holder.at_once
         if slots is not None and slot_context is not None:
             self._servers.pop(resolved, None)
             self._servers[resolved] = (slots, slot_context)
@@ -2094,9 +2052,8 @@ class Scheduler:
         it, so this is how many running contexts fit; where each slot has its own share, it
         errs on one stream.  One while the server's figures or the contexts' sizes are unknown.
         It does not see the host cache, where llama-server keeps the contexts waiting through a
-        tool call: where that is short, they are prefilled again (bench/RESULTS.md).  What
-        running side by side saved and cost is shown beside it (``_Affinity.side_by_side``),
-        not acted on: two rules that acted on it lost (bench/RESULTS.md, December 7)."""
+        tool call: where that is short, they are prefilled again (bench/RESULTS.md).  Two rules
+        that also priced side by side by the server's decode times lost (bench/RESULTS.md)."""
         server = self._servers.get(key)
         affinity = self._affinity.get(key)
         if server is None or affinity is None or not affinity.prompts:
@@ -2115,9 +2072,6 @@ class Scheduler:
         affinity = self._affinity.get(key)
         if affinity is not None and affinity.prompts:
             figures["context"] = max(affinity.prompts.values()) + affinity.growth
-        paid = affinity.side_by_side() if affinity is not None else None
-        if paid is not None:  # what running side by side saved in decode, and spent in prefill
-            figures["savedMs"], figures["noiseMs"], figures["reprefillMs"] = (round(x) for x in paid)
         return figures
 
     def _policy_for(self, key: str, policy: QueuePolicy) -> QueuePolicy:
@@ -5049,7 +5003,7 @@ class Client:
         (llama.cpp's ``/props``: ``total_slots`` and ``default_generation_settings.n_ctx``), which
         a queue of ``maxStreams: "auto"`` goes by.  ``decode``: the tokens the server generated
         and the milliseconds that took (llama.cpp's ``timings.predicted_n`` and ``predicted_ms``),
-        from which such a queue's ``status`` shows what running side by side saved.
+        logged with how many requests ran at once (``llmqueue report`` adds them up).
         They go to the event log (``llmqueue report``) and the queue's totals in ``status``.
         Never blocks, never raises for a daemon that is gone."""
         message: dict[str, Any] = {"op": "usage", "queueKey": queue_key, "sessionKey": session_key,
@@ -7703,11 +7657,7 @@ def format_status(queues: list[dict[str, Any]]) -> str:
         if isinstance(auto, dict):  # ``maxStreams: "auto"``: what its number went by
             slots += (f" (auto: {auto['slots']} slots of {auto['slotContext']:,} tokens" if "slots" in auto
                       else " (auto: the server's slots not known yet")
-            slots += f", contexts up to {auto['context']:,}" if "context" in auto else ""
-            if "savedMs" in auto:  # what running side by side saved in decode, and cost in prefill
-                slots += (f"; side by side saved {auto['savedMs'] / 1000:.1f} s of decode, "
-                          f"re-prefilled {auto['reprefillMs'] / 1000:.1f} s")
-            slots += ")"
+            slots += f", contexts up to {auto['context']:,})" if "context" in auto else ")"
         depth = {role: sum(1 for w in waiting if w.get("role") == role) for role in ROLES}
         out.append(f"{q.get('queueKey')}  {slots}  waiting: {depth['parent']} parent, "
                    f"{depth['child']} child  switches: {q.get('switches', 0)}")

@@ -12,9 +12,7 @@ nobody.  ``status`` shows the number as ``maxStreams`` and what it went by as ``
 the log's usage line carries ``maxStreams`` when it changed.  A fixed ``maxStreams`` ignores the
 figures.  The proxy asks its upstream's ``/props`` and reports them with every usage.
 
-``status`` also shows what running side by side saved and cost, in the server's own time: the
-decode it saved (the usage op's additive ``decoded`` and ``decodeMs``, with the requests the daemon
-saw in flight at once) and the prefill it spent again on the contexts lost meanwhile.
+The usage op's additive ``decoded`` and ``decodeMs`` are logged with how many requests ran at once.
 """
 
 from __future__ import annotations
@@ -149,27 +147,20 @@ def test_status_for_people_says_what_auto_went_by() -> None:
     assert "0/3 (auto: 4 slots of 8,192 tokens, contexts up to 2,500)" in text
     text = lq.format_status([{"queueKey": K, "maxStreams": 1, "holders": [], "waiting": [], "streamsAuto": {}}])
     assert "0/1 (auto: the server's slots not known yet)" in text
-    text = lq.format_status([{"queueKey": K, "maxStreams": 1, "holders": [], "waiting": [],
-                              "streamsAuto": {"slots": 4, "slotContext": 8192, "context": 2500,
-                                              "savedMs": 400, "reprefillMs": 5200}}])
-    assert ("0/1 (auto: 4 slots of 8,192 tokens, contexts up to 2,500; side by side saved 0.4 s of decode, "
-            "re-prefilled 5.2 s)") in text
 
 
-# -- what running side by side saved and cost ---------------------------------------------------------
+# -- how fast the server decoded, alone and side by side ---------------------------------------------
 #
-# Running two requests at once saves decode where the server decodes them together (a GPU: a step
-# of two streams takes about the time of one) and saves nothing where it does not (a CPU: each
-# stream gets half).  It can cost prefill: the contexts the server loses meanwhile.  Both are the
-# server's own times: ``decodeMs`` and ``decoded`` (llama.cpp's ``timings.predicted_ms`` and
-# ``predicted_n``) with the requests the daemon saw in flight at once, and the ``prefillMs`` rate.
-# ``status`` shows them (``savedMs``, ``noiseMs``, ``reprefillMs``); the number of streams does
-# not go by them (two rules that did lost on the simulator: bench/RESULTS.md).
+# A usage report's ``decoded`` and ``decodeMs`` (llama.cpp's ``timings.predicted_n`` and
+# ``predicted_ms``) go to the log's usage line with ``atOnce``: the mean of the queue's requests in
+# flight at once over the request's time, its own included (only where that is more than one).
+# ``llmqueue report`` adds the times up.  Nothing decides by them: two rules that priced running
+# side by side by them lost on the simulator (bench/RESULTS.md).
 
 
-def timed(session: str, tokens: int, decoded: int, decode_ms: float, reused: int = 0, **server: int) -> Dict[str, Any]:
+def timed(session: str, tokens: int, decoded: int, decode_ms: float, **server: int) -> Dict[str, Any]:
     msg = usage(session, tokens, **server)
-    msg.update(reused=reused, prefillMs=float(tokens), decoded=decoded, decodeMs=decode_ms)  # 1 ms a token
+    msg.update(decoded=decoded, decodeMs=decode_ms)
     return msg
 
 
@@ -177,72 +168,42 @@ def busy(peer: Any, session: str, flag: bool) -> None:
     assert peer.ask({"op": "renew", "queueKey": K, "sessionKey": session, "busy": flag})["granted"] is True
 
 
-def side_by_side(d: Any, alone_ms: float, beside_ms: tuple[float, float]) -> tuple[Any, Any]:
-    """A decodes 100 tokens alone in ``alone_ms``; then A and B, each with a request in flight
-    wholly beside the other's, 100 tokens each in ``beside_ms``."""
-    a, b = d.peer(), d.peer()
-    assert a.ask(acquire("A"))["op"] == "granted"
-    assert a.ask(timed("A", 1000, 100, alone_ms, slots=4, slotContext=8000))["op"] == "ok"
-    busy(a, "A", False)
-    assert b.ask(acquire("B"))["op"] == "granted"
-    busy(a, "A", True)  # A's next request, beside B's
-    assert a.ask(timed("A", 1000, 100, beside_ms[0]))["op"] == "ok"
-    busy(b, "B", False)
-    busy(b, "B", True)  # B's next request, beside A's
-    assert b.ask(timed("B", 1000, 100, beside_ms[1]))["op"] == "ok"
-    return a, b
+def usage_lines(log: str, session: str, count: int) -> list[Dict[str, Any]]:
+    wait_for(lambda: len([e for e in log_lines(log) if e["event"] == "usage" and e["sessionKey"] == session]) >= count)
+    return [e for e in log_lines(log) if e["event"] == "usage" and e["sessionKey"] == session]
 
 
-def test_status_shows_no_saving_where_two_at_once_decode_at_half_the_speed_and_the_log_says_how_many_ran() -> None:
+def test_the_log_says_how_fast_the_server_decoded_and_how_many_requests_ran_at_once() -> None:
     log = os.path.join(short_tmpdir(), "events.log")
     for d in started(config={"defaults": {"maxStreams": "auto", "logFile": log}}):
-        side_by_side(d, 1000.0, (2000.0, 2000.0))  # 10 ms a token alone, 20 with two: no gain
-        q = d.queue(K)
-        assert (q["streamsAuto"]["savedMs"], q["streamsAuto"]["noiseMs"], q["streamsAuto"]["reprefillMs"]) == (0, 0, 0)
-        assert q["maxStreams"] == 4  # shown, not acted on
-        wait_for(lambda: any(e.get("sessionKey") == "B" for e in log_lines(log) if e["event"] == "usage"))
-        line = next(e for e in log_lines(log) if e["event"] == "usage" and e["sessionKey"] == "B")
-        assert (line["decoded"], line["decodeMs"], line["atOnce"]) == (100, 2000.0, 2)
-        first = next(e for e in log_lines(log) if e["event"] == "usage" and e["sessionKey"] == "A")
-        assert first["decoded"] == 100 and "atOnce" not in first  # it ran alone
-
-
-def test_status_shows_the_decode_saved_where_the_server_decodes_streams_together() -> None:
-    for d in started(config={"defaults": {"maxStreams": "auto"}}):
-        side_by_side(d, 1000.0, (1000.0, 1000.0))  # 10 ms a token, alone or two at once
-        auto = d.queue(K)["streamsAuto"]
-        assert (auto["savedMs"], auto["noiseMs"]) == (1000, 0)  # 100 tokens each: 1,000 ms alone, half beside
-
-
-def test_status_shows_the_savings_noise() -> None:
-    """Savings of 300 and -100 ms: 200 in all, with a standard error of 400 for that sum."""
-    for d in started(config={"defaults": {"maxStreams": "auto"}}):
-        side_by_side(d, 1000.0, (1400.0, 2200.0))
-        auto = d.queue(K)["streamsAuto"]
-        assert (auto["savedMs"], auto["noiseMs"]) == (200, 400)
-
-
-def test_status_shows_the_prefill_spent_again_on_contexts_lost_side_by_side() -> None:
-    for d in started(config={"defaults": {"maxStreams": "auto"}}):
-        a, _ = side_by_side(d, 1000.0, (1000.0, 1000.0))
-        a.ask(timed("A", 1100, 0, 0.0, reused=0))  # A's 1,000 tokens were lost: 1,000 ms again, at 1 ms a token
-        auto = d.queue(K)["streamsAuto"]
-        assert (auto["savedMs"], auto["reprefillMs"]) == (1000, 1000)
-
-
-def test_a_request_that_ran_alone_is_timed_alone_once_the_other_has_ended() -> None:
-    """A request's decode counts as beside another only for the time they were in flight at once."""
-    for d in started(config={"defaults": {"maxStreams": "auto"}}):
         a, b = d.peer(), d.peer()
         assert a.ask(acquire("A"))["op"] == "granted"
-        a.ask(timed("A", 1000, 100, 1000.0, slots=4, slotContext=8000))
+        assert a.ask(timed("A", 1000, 100, 1000.0, slots=4, slotContext=8000))["op"] == "ok"  # alone
+        busy(a, "A", False)
+        assert b.ask(acquire("B"))["op"] == "granted"
+        busy(a, "A", True)  # A's next request, wholly beside B's
+        assert a.ask(timed("A", 1000, 100, 2000.0))["op"] == "ok"
+        busy(b, "B", False)
+        busy(b, "B", True)  # B's next request, wholly beside A's
+        assert b.ask(timed("B", 1000, 100, 2000.0))["op"] == "ok"
+        first, second = usage_lines(log, "A", 2)
+        assert (first["decoded"], first["decodeMs"]) == (100, 1000.0) and "atOnce" not in first
+        assert (second["decoded"], second["decodeMs"], second["atOnce"]) == (100, 2000.0, 2)
+        assert usage_lines(log, "B", 1)[0]["atOnce"] == 2
+
+
+def test_a_request_that_ran_alone_is_logged_alone_once_the_other_has_ended() -> None:
+    """A request's decode counts as beside another only for the time they were in flight at once."""
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"maxStreams": 2, "logFile": log}}):
+        a, b = d.peer(), d.peer()
+        assert a.ask(acquire("A"))["op"] == "granted"
         busy(a, "A", False)
         assert b.ask(acquire("B"))["op"] == "granted"
         assert b.ask({"op": "release", "queueKey": K, "sessionKey": "B"})["op"] == "ok"
         busy(a, "A", True)
-        for _ in range(2):
-            a.ask(timed("A", 1000, 100, 3000.0))  # slower, but alone: no side-by-side figure
-        assert "savedMs" not in d.queue(K)["streamsAuto"]
+        a.ask(timed("A", 1000, 100, 3000.0))
+        assert "atOnce" not in usage_lines(log, "A", 1)[0]
 
 
 @pytest.mark.parametrize("bad", [{"decodeMs": -1}, {"decodeMs": "5"}, {"decodeMs": True}, {"decodeMs": 1e12},
