@@ -166,8 +166,9 @@ POLICIES = ("priority-aging", "fifo")
 # keeps every context: a large host cache, a slot per agent) or "dear" says it.
 SWITCH_COSTS = ("auto", "cheap", "dear")
 # Who decides when an idle slot someone waits for is handed over: "rules", the rules this queue
-# grew one trace at a time (the default, until the cost rule has beaten them on every workload);
-# "cost", issue 33's one rule (``HoldCost``): hand over once the idle time reaches the switch's cost.
+# grew one trace at a time (the default, until the cost rule has beaten them on every workload),
+# bounded by the cost rule at the most a switch can cost; "cost", issue 33's one rule
+# (``HoldCost``): hand over once the idle time reaches the switch's cost.
 HOLD_RULES = ("rules", "cost")
 KEPT_CHEAP = 0.8  # the share of its context each session back after a switch must find kept
 KEPT_SAMPLES = 4  # the most recent returns that must all have (at least 2 of them)
@@ -916,7 +917,8 @@ class LeaseTerms(NamedTuple):
 #     behind a subagent's request they would come back to.  Where a person's thoughts were
 #     timed and what is left of this one is longer than the switch, it goes at once.
 #     Nothing known of the contexts' sizes: kept, to the idle-yield.  It decides where
-#     ``holdRule`` is ``cost``; elsewhere the rules below decide and it is shown beside them.
+#     ``holdRule`` is ``cost``.  Elsewhere (the default) the rules below decide, and it bounds
+#     them at the most a switch can cost: every context still in use but the waiter's.
 # Costs: every operation is O(log n) in waiters and holders (heaps with lazy deletion), except
 # ``status`` (linear in what it reports) and ``reconfigure`` (a rebuild).
 # =================================================================================================
@@ -1375,9 +1377,10 @@ class HoldCost(NamedTuple):
     agent's share of it.  The threshold is ``threshold_ms``.  Where a person's thoughts were timed,
     ``ahead_ms`` is what is left of this one as they usually go: keeping costs the server that
     much idle, so where it is longer than the threshold the slot goes at once (and the idle spent
-    still bounds the keep where the measure is wrong).  The rules in force decide, unless
-    the queue's ``holdRule`` is ``cost``; either way ``status`` shows it, and the log's
-    hand-overs and dead spells carry it."""
+    still bounds the keep where the measure is wrong).  It decides where the queue's
+    ``holdRule`` is ``cost``.  Elsewhere the rules in force decide, and it bounds them, priced at
+    the most a switch can cost (``hold_cost``'s ``rules``).  Either way ``status`` shows it, and
+    the log's hand-overs and dead spells carry it."""
 
     idle_ms: float
     tokens: Optional[int]
@@ -1472,7 +1475,9 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
     before, less after), so a room known only as a lower bound prices a little growth past it a
     little, not as a whole eviction.  ``in_use``: whether a session's context will be needed
     again.  ``setting``: the queue's ``switchCost``, where a person said it (``cheap``: free;
-    ``dear``: the holder's context).  Pure."""
+    ``dear``: the holder's context); or ``rules``, the bound on the rules in force (``holdRule:
+    rules``): the most a switch can cost, every context in use but the waiter's, whatever the
+    server was seen to keep.  Pure."""
     rate = affinity.ms_per_token() if affinity is not None else None
     measured = rate is not None
     per_token = rate if rate is not None else 1000.0 / ASSUMED_PREFILL_TPS
@@ -1482,7 +1487,10 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
     if holder not in prompts:
         return HoldCost(idle_ms, None, None, False, "no context sizes reported, so a switch is dear")
     room = affinity.room if affinity is not None and setting == "auto" else None
-    if affinity is None or room is None:  # no return was kept: nothing says it keeps more than the waiter's
+    if setting == "rules":  # the most a switch can cost: every context still in use, but the waiter's
+        tokens = float(sum(n for session, n in prompts.items() if session != waiter and in_use(session)))
+        why = "the most a switch can cost: every context still in use but the waiter's, prefilled again"
+    elif affinity is None or room is None:  # no return was kept: nothing says it keeps more than the waiter's
         tokens = float(prompts[holder])
         why = ("switchCost is dear" if setting == "dear" else
                "what the server keeps is not known yet: the holder's context is assumed pushed out")
@@ -2163,7 +2171,7 @@ class Scheduler:
         elif busy is False:
             self._idle(holder, now)
             owner = holder.queue
-            if owner.policy.hold_rule == "cost" and owner.waiting:  # the sweep weighs its slot now
+            if owner.waiting:  # the sweep weighs its slot now
                 self._weigh_at(owner, now)
         return True
 
@@ -2240,7 +2248,7 @@ class Scheduler:
             return []
         q.came_back(session)
         events: list[Event] = []
-        if q.waiting and (q.parked or q.policy.hold_rule == "cost"):  # a switch may be free now
+        if q.waiting:  # a switch may be free now
             self._refill(q, now, events)
             self._settle(q)
         return events
@@ -2390,7 +2398,7 @@ class Scheduler:
             if q not in due:
                 due.append(q)
         for q in due:
-            if q.waiting and q.policy.hold_rule == "cost" and self._queues.get(q.key) is q:
+            if q.waiting and self._queues.get(q.key) is q:
                 self._refill(q, now, events)  # an idle holder may have spent its switch's cost
                 touched.append(q)
         for q in sorted(self._idle_due, key=lambda q: q.key):
@@ -2729,8 +2737,13 @@ class Scheduler:
         if since is None or nxt is None or first is None:
             return None
         idle = max(0.0, now - max(since, first))
-        cost = hold_cost(self._affinity.get(q.key), q.policy.switch_cost, holder.session, nxt.session,
-                         lambda session: q.needed(session, now), idle)
+        setting = q.policy.switch_cost
+        done = holder.parked and not (holder.gap or holder.turn)  # parked for good: done with its context
+        if q.policy.hold_rule == "rules" and setting != "cheap":
+            setting = "rules"  # the rules' bound: every context in use, whatever the room seen
+        cost = hold_cost(self._affinity.get(q.key), setting, holder.session, nxt.session,
+                         lambda session: q.needed(session, now) and not (done and session == holder.session),
+                         idle)
         if holder.turn and holder.persons and nxt.role == CHILD and not (
                 holder.asks_spare and q.spare_room(leaving=True) and q.head(PARENT) is None):
             # a person thinks: handed over, they come back to a subagent's request in flight, and
@@ -2811,7 +2824,7 @@ class Scheduler:
     def _refill(self, q: _Queue, now: float, events: list[Event]) -> None:
         """Grant waiters into free slots, then parked holders hand their slots to waiters,
         oldest parked first, while that grants someone (a queue left over capacity by a reload
-        gains nothing from a yield)."""
+        gains nothing from a yield); then the cost rule's bound (``_cost_refill``)."""
         if q.policy.hold_rule == "cost":
             self._cost_refill(q, now, events)
             return
@@ -2886,15 +2899,18 @@ class Scheduler:
             if target is not None and target is not nxt and target.live and q.has_room():
                 self._grant_waiter(q, target, now, events)  # a waiter whose context is kept goes first
             self._fill(q, now, events)
+        self._cost_refill(q, now, events, bound=True)
 
-    def _cost_refill(self, q: _Queue, now: float, events: list[Event]) -> None:
+    def _cost_refill(self, q: _Queue, now: float, events: list[Event], bound: bool = False) -> None:
         """``holdRule: cost``: waiters into free slots in the spec's order, then each idle
         holder someone waits for goes by issue 33's rule (``HoldCost``): its slot is handed over
         once its idle time reaches what the switch costs (at once where that is nothing), and
         the sweep looks again when it will.  The spec's own hand-overs stay as they are: a holder
         parked on another agent (a blocking tool) yields at once, and a subagent between two
         requests to a waiting parent.  With nothing known of the contexts' sizes, the seed's rule:
-        an idle holder keeps its slot, to the idle-yield."""
+        an idle holder keeps its slot, to the idle-yield.  ``bound``: the same, as the bound on the
+        rules in force (``holdRule: rules``), after they had their say: no hand-over of the spec's
+        at once (the rules make those), and each priced at the most a switch can cost."""
         self._fill(q, now, events)
         while q.waiting:
             nxt = self._pick(q, now)
@@ -2903,10 +2919,10 @@ class Scheduler:
             for holder in q.all_holders():
                 if holder.idle_since is None or not q.frees_for_waiter(holder):
                     continue
-                if holder.parked and not (holder.gap or holder.turn):
+                if not bound and holder.parked and not (holder.gap or holder.turn):
                     chosen = (holder, self._hold_cost(q, holder, now))  # spec: it waits on another agent
                     break
-                if holder.handback and holder.role == CHILD and nxt is not None and nxt.role == PARENT:
+                if not bound and holder.handback and holder.role == CHILD and nxt is not None and nxt.role == PARENT:
                     chosen = (holder, self._hold_cost(q, holder, now))  # spec: a child yields to a parent
                     break
                 cost = self._hold_cost(q, holder, now)

@@ -279,13 +279,13 @@ def test_a_proxy_session_holding_after_a_response_hands_over_once_the_queue_lear
 # -- what it buys, in the KV-cache simulator ---------------------------------------------------------
 
 
-def subagents_take_turns(sim: KVSim, d: DaemonProc, kept_before: bool) -> Dict[str, float]:
-    """Two subagents, each a run of 3 requests with 0.4 s tool calls between them, at once;
+def subagents_take_turns(sim: KVSim, d: DaemonProc, kept_before: bool, tool_s: float = 0.4) -> Dict[str, float]:
+    """Two subagents, each a run of 3 requests with ``tool_s`` tool calls between them, at once;
     before them the queue learns from another pair of sessions.  The simulator's prefill, and how
     long the slot was held while the other waited and nothing streamed (from the daemon's log)."""
     with client_of(d) as client:
         access = agents.ClientAccess(sim.url, client)
-        work = agents.Workload(system_tokens=300, task_tokens=20, reply_tokens=8, tool_tokens=60, tool_s=0.4,
+        work = agents.Workload(system_tokens=300, task_tokens=20, reply_tokens=8, tool_tokens=60, tool_s=tool_s,
                                children=2, child_requests=3, parent_before=0)
         # the lesson: two throwaway conversations through the same server and queue
         lock = threading.Lock()
@@ -335,9 +335,11 @@ def test_sim_where_the_server_keeps_every_context_subagents_take_turns_at_tool_c
 
 
 def test_sim_where_it_keeps_none_subagents_hold_their_slot_across_tool_calls(logged: DaemonProc) -> None:
-    sim = KVSim(slots=1, slot_ctx=4096, host_cache_tokens=0, prefill_ms=0.05, decode_ms=0.3)
+    # a server slow enough that a context's re-prefill (0.4 s) costs more than a run's tool calls
+    # idle the slot (two of 0.1 s): where it costs less, the cost rule's bound hands a gap over
+    sim = KVSim(slots=1, slot_ctx=4096, host_cache_tokens=0, prefill_ms=1.0, decode_ms=0.3)
     try:
-        got = subagents_take_turns(sim, logged, kept_before=False)
+        got = subagents_take_turns(sim, logged, kept_before=False, tool_s=0.1)
     finally:
         sim.close()
     assert got["prefill"] <= 1.1 * got["oracle"], got  # no context prefilled twice

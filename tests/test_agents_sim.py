@@ -48,9 +48,15 @@ WORKLOAD = agents.Workload(system_tokens=300, task_tokens=20, reply_tokens=8, to
 CONTEXT = WORKLOAD.context_tokens()
 
 
+# A server slow enough that re-prefilling the contexts in use (about 0.2 s each) costs more than a
+# run's tool calls idle the slot (0.05 s each): holding through them is then the right call in
+# seconds too.  (On a faster one, the cost rule's bound hands a gap over once its price is spent.)
+PREFILL_MS = 0.5
+
+
 @pytest.fixture
 def sim() -> Iterator[KVSim]:
-    s = KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=0.05, decode_ms=0.3)
+    s = KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=PREFILL_MS, decode_ms=0.3)
     yield s
     s.close()
 
@@ -110,7 +116,7 @@ def test_where_switches_are_dear_client_sessions_prefill_at_most_1_3x_the_oracle
 
 def test_a_fresh_queue_learns_how_many_contexts_fit_and_its_next_run_prefills_at_most_1_3x(
         sim: KVSim, daemon: DaemonProc) -> None:
-    with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=0.05, decode_ms=0.3) as alone:
+    with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=PREFILL_MS, decode_ms=0.3) as alone:
         without = prefill_ratio(run_delegate(agents.Access(alone.url)))
     first = prefill_ratio(client_run(sim, daemon))
     assert first < without

@@ -43,11 +43,11 @@ def bg(s: lq.Scheduler, who: str, now: float, role: str = "parent", background: 
     return s.acquire(who.lower(), K, who, role, now=now, background=background)
 
 
-def kept_for_c() -> lq.Scheduler:
+def kept_for_c(ms_per_token: Optional[float] = None) -> lq.Scheduler:
     """The lesson's queue (the server keeps two contexts: A's and C's), with background parents: C
     gave its slot to A in a tool-call gap (A's context is kept), then B queued (its run would
     evict C's context, in use)."""
-    s = taught()
+    s = taught(ms_per_token)
     bg(s, "C", T0)
     bg(s, "A", T0)
     assert granted(s.park(K, "C", now=T0 + 10, gap=True)[1]) == ["A"]
@@ -83,7 +83,9 @@ def test_core_a_background_parents_park_for_good_waits_for_a_context_in_use_as_a
     assert granted(back) == ["C"]
     assert [e.reason for e in back if isinstance(e, lq.Released)] == ["parked"]
     assert [w["sessionKey"] for w in waiting(s, T0 + 500)] == ["B"]
-    s = kept_for_c()
+    # a server that prefills C's context in 5 s, past the tool calls (where it re-prefills it
+    # sooner, the cost rule's bound lets B go once A's slot has idled that long)
+    s = kept_for_c(ms_per_token=5.0)
     assert s.park(K, "A", now=T0 + 30) == (True, [])
     due = s.next_deadline()  # C not back once the queue's tool calls are over: B goes
     assert due is not None and T0 + 10 + lq.GRACE_MS < due <= T0 + 10 + lq.GRACE_MS + 2
@@ -402,16 +404,16 @@ def test_agents_with_nothing_named_on_a_warm_queue_prefill_less_than_the_server_
     proxy parks such an agent for good at its run's end.  That park kept nobody's slot (a
     parent's), so a waiter whose run evicted a context in a tool call went at once: the third
     run prefilled 1.58x.  ``cut`` (``--cut-answers``): no response says a run is over."""
-    from tests.test_agents_sim import CONTEXT, WORKLOAD, prefill_ratio, run_delegate
+    from tests.test_agents_sim import CONTEXT, PREFILL_MS, WORKLOAD, prefill_ratio, run_delegate
     import agents
 
     workload = WORKLOAD._replace(final_stop=answers == "stop")
 
-    with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=0.05, decode_ms=0.3) as alone:
+    with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=PREFILL_MS, decode_ms=0.3) as alone:
         without = prefill_ratio(run_delegate(agents.Access(alone.url), workload=workload))
     log = os.path.join(short_tmpdir(), "events.log")
     for d in started(config={"defaults": {"logFile": log}}):
-        with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=0.05,
+        with KVSim(slots=1, slot_ctx=4096, host_cache_tokens=int(CONTEXT * 1.2), prefill_ms=PREFILL_MS,
                    decode_ms=0.3) as sim:
             client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
             proxy = lq.Proxy(sim.base, client=client, listen=("127.0.0.1", 0), grace_ms=1000)

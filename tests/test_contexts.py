@@ -30,7 +30,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 from hypothesis import given, settings
@@ -56,10 +56,11 @@ def sched(**defaults: Any) -> lq.Scheduler:
     return lq.Scheduler(lq.Addressing(cfg))
 
 
-def taught(**defaults: Any) -> lq.Scheduler:
+def taught(ms_per_token: Optional[float] = None, **defaults: Any) -> lq.Scheduler:
+    """The lesson's queue; ``ms_per_token``: its server's prefill rate, timed (else assumed)."""
     s = sched(**defaults)
     for who, prefilled, reused in LESSON:
-        s.usage(K, who, prefilled, reused)
+        s.usage(K, who, prefilled, reused, prefill_ms=None if ms_per_token is None else ms_per_token * prefilled)
     return s
 
 
@@ -155,7 +156,9 @@ def test_core_an_open_bound_keeps_a_thinking_persons_context_by_its_lower_end_an
     s = open_bound(leaseTtlMs=120_000, idleYieldMs=90_000)  # no lease ends before the look
     x = "P" if person else "X"
     assert granted(s.acquire("x", K, x, "parent" if person else "child", now=T0)) == [x]
-    s.usage(K, x, 1000, 0)
+    # a slow server (40 ms a token): a switch would cost more than the think time (the cost
+    # rule's bound on the rules: a slot is kept no longer than a switch could cost at worst)
+    s.usage(K, x, 1000, 0, prefill_ms=40_000)
     s.acquire("f", K, "F", "child", now=T0 + 10)
     held, events = s.park(K, x, now=T0 + 100, turn=person, gap=not person)  # F evicts D's, done with
     assert not held and granted(events) == ["F"]
@@ -426,10 +429,25 @@ def test_core_a_park_for_good_waits_for_a_context_in_its_tool_call_as_long_as_th
     s.park(K, "C", now=T0 + 10, gap=True)
     s.acquire("b", K, "B", "child", now=T0 + 20)
     assert s.park(K, "A", now=T0 + 30) == (True, [])
-    due = s.next_deadline()
-    assert due is not None and T0 + 10 + lq.GRACE_MS < due <= T0 + 10 + lq.GRACE_MS + 2
+    # B goes when C's tool calls are over (``GRACE_MS`` from its gap, none timed yet), or sooner
+    # once A's slot has idled what a switch could cost at worst: C's 1,000 tokens, at the assumed
+    # rate, 2 s (the cost rule's bound on the rules)
+    bound = T0 + 30 + 1000 * 1000.0 / lq.ASSUMED_PREFILL_TPS
+    assert bound < T0 + 10 + lq.GRACE_MS
+    due = s.next_exact()
+    assert due is not None and bound - 2 <= due <= bound
     assert granted(s.sweep(now=due - 2)) == []
     assert granted(s.sweep(now=due)) == ["B"]
+    slow = taught(ms_per_token=5.0)  # a server that prefills C's context in 5 s: the tool calls' end comes first
+    slow.acquire("c", K, "C", "child", now=T0)
+    slow.acquire("a", K, "A", "child", now=T0)
+    slow.park(K, "C", now=T0 + 10, gap=True)
+    slow.acquire("b", K, "B", "child", now=T0 + 20)
+    assert slow.park(K, "A", now=T0 + 30) == (True, [])
+    due = slow.next_deadline()
+    assert due is not None and T0 + 10 + lq.GRACE_MS < due <= T0 + 10 + lq.GRACE_MS + 2
+    assert granted(slow.sweep(now=due - 2)) == []
+    assert granted(slow.sweep(now=due)) == ["B"]
 
 
 def test_core_any_park_where_no_bound_is_known_goes_to_the_next_waiter() -> None:

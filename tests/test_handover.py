@@ -321,7 +321,9 @@ def test_proxy_a_subagent_between_requests_hands_its_slot_to_a_parent_at_once() 
     from tests.test_kvsim import record
 
     for d in started():
-        with KVSim(prefill_ms=0.05, decode_ms=2.0) as sim:
+        # a server slow enough that a switch costs more than the handback window (3 tokens, 0.45 s):
+        # where it costs less, the slot goes once its price is spent, whoever waits
+        with KVSim(prefill_ms=150, decode_ms=2.0) as sim:
             p = _Proxy(sim.base, d.agent_dir)
             try:
                 p.ask("sub", "child", "sub-1").join(10)  # sub holds through its grace now
@@ -346,7 +348,7 @@ def test_proxy_a_settled_parent_hands_over_after_its_handback_window_not_its_gra
     from tests.test_kvsim import record
 
     for d in started():
-        with KVSim(prefill_ms=0.05, decode_ms=0.5) as sim:
+        with KVSim(prefill_ms=150, decode_ms=0.5) as sim:  # a switch dearer than the window, as above
             p = _Proxy(sim.base, d.agent_dir, grace_ms=5000)
             try:
                 p.ask("main", "parent", "main-1").join(10)

@@ -1,5 +1,6 @@
-"""One rule for an idle slot, in the server's own seconds (issue 33, its first step): the cost
-model, computed beside the rules in force, shown in ``status`` and logged.
+"""One rule for an idle slot, in the server's own seconds (issue 33): the cost model.  It decides
+where ``holdRule`` is ``cost``; by default it bounds the rules in force at the most a switch can
+cost (every context still in use but the waiter's); either way ``status`` shows it and it is logged.
 
 An idle holder that someone waits for is kept while the idle time spent is below what a switch
 would cost: the re-prefill of the contexts still in use that the waiter's run pushes out of what
@@ -196,6 +197,59 @@ def test_the_rule_never_keeps_an_idle_slot_past_its_switch_cost(tokens: int, ms_
         assert cost.hand_over
 
 
+def _granted_to(events: List[Any], session: str) -> bool:
+    return any(isinstance(e, lq.Granted) and e.holder.session == session for e in events)
+
+
+@given(role=st.sampled_from(["parent", "child"]), waiter_role=st.sampled_from(["parent", "child"]),
+       how=st.sampled_from(["busy", "gap", "turn", "handback", "done"]), tokens=st.integers(0, 40_000),
+       other=st.integers(0, 20_000), ms_per_token=st.floats(0.01, 1.0), waiter_after=st.floats(0, 5_000),
+       switch=st.sampled_from(["auto", "dear"]))
+def test_under_the_default_rules_an_idle_slot_goes_once_it_idled_what_a_switch_could_cost_at_worst(
+        role: str, waiter_role: str, how: str, tokens: int, other: int, ms_per_token: float,
+        waiter_after: float, switch: str) -> None:
+    """The bound the cost rule puts on the rules in force (``holdRule: rules``, the default): however
+    a holder went idle (a ``busy: false`` beat, a park for a tool call or a person's turn, a
+    handback between two requests, a park for good), whatever its role and the waiter's, the waiter
+    is granted no later than the idle time reaches what re-prefilling every context still in use
+    but the waiter's would cost: the holder's (not where it parked for good: it is done with it)
+    and another waiter's behind, at the server's rate, timed to the millisecond, not to the
+    sweep's next tick.  Where that is nothing, at once.  Ski rental against the dearest switch; the
+    rules hand over sooner where they know more."""
+    config, errors, _ = lq.validate_config({"defaults": {"switchCost": switch}})
+    assert errors == []
+    s = lq.Scheduler(lq.Addressing(config))
+    assert _granted_to(s.acquire("h", K, "H", role, activity=True, now=0.0), "H")
+    s.usage(K, "H", tokens, 0, True, tokens * ms_per_token if tokens else None, now=0.0)
+    if other:
+        s.usage(K, "O", other, 0, True, other * ms_per_token, now=0.0)
+    idle_at = 10.0
+    if how == "busy":
+        assert s.beat(K, "H", now=idle_at, busy=False)
+    elif how == "handback":
+        assert s.handback(K, "H", now=idle_at)[0]
+    else:
+        assert s.park(K, "H", now=idle_at, gap=how == "gap", turn=how == "turn")[0]
+    came = idle_at + waiter_after
+    in_use = 0 if how == "done" else tokens
+    now = came
+    granted = _granted_to(s.acquire("w", K, "W", waiter_role, activity=True, now=came), "W")
+    if granted:  # at once (the rules' own hand-over, or nothing in use to lose)
+        return
+    if other:
+        s.acquire("o", K, "O", waiter_role, activity=True, now=came)  # behind W: its context in use
+        in_use += other
+    bound = came + in_use * ms_per_token  # the waiters count idle time from the first one's arrival
+    while not granted:
+        due = s.next_exact()
+        assert due is not None and due <= bound + 1e-6, (due, bound)
+        now = max(now, due)
+        granted = _granted_to(s.sweep(now=now), "W")
+    assert now <= bound + 1e-6
+    if how == "busy" and switch == "dear":  # the rules alone keep it to the idle-yield: the bound decides
+        assert now >= min(bound, idle_at + lq.QueuePolicy(max_streams=1).idle_yield_ms) - 1e-6
+
+
 # -- through the socket ----------------------------------------------------------------------------
 
 
@@ -221,6 +275,10 @@ def test_a_bad_prefill_time_is_refused_by_name_and_costs_nothing(value: Any) -> 
 
 
 def test_status_and_the_log_show_both_sides_for_an_idle_holder_that_someone_waits_for() -> None:
+    """On the default config (the rules in force, bounded by the cost rule): an idle holder whose
+    waiter came keeps its slot while its idle time is below what a switch could cost at worst (here
+    A's own context, the one context in use), and it goes then; ``status`` and the log say both
+    sides, and the report adds up the dead time past the switch's price."""
     log = os.path.join(short_tmpdir(), "events.log")
     for d in started(config={"defaults": {"logFile": log}}):
         a, b = d.peer(), d.peer()
@@ -230,6 +288,7 @@ def test_status_and_the_log_show_both_sides_for_an_idle_holder_that_someone_wait
                       "prefillMs": 1000})["op"] == "ok"
         assert a.ask(busy("A", False))["busy"] is False
         assert d.queue(K).get("holds") is None  # idle, but nobody waits
+        came = time.monotonic()
         b.send(acquire("B"))
         wait_for(lambda: d.waiting(K) == ["B"])
         (hold,) = d.queue(K)["holds"]
@@ -239,10 +298,13 @@ def test_status_and_the_log_show_both_sides_for_an_idle_holder_that_someone_wait
         out = subprocess.run([sys.executable, MODULE, "status", "--agent-dir", d.agent_dir],
                              capture_output=True, text=True, timeout=30)
         assert "  idle   A: keeping: switching would re-prefill 2.0k tokens, about 1.0 s" in out.stdout, out.stdout
-        wait_for(lambda: d.queue(K)["holds"][0]["rule"] == "hand over", 5.0)  # idle past 1 s
-        # the rules in force still decide (issue 33's first step): A keeps the slot until it acts
-        assert d.holders(K) == ["A"] and d.waiting(K) == ["B"]
-        assert a.ask(busy("A", True))["busy"] is True  # its spell ends: a dead spell, with the figures
+        assert b.recv(10.0)["op"] == "granted"  # once A's idle time reached the switch's cost
+        assert time.monotonic() - came >= 1.0 - 0.05
+        assert d.holders(K) == ["B"]
+        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
+                                       if e["event"] == "release" and e["sessionKey"] == "A"])
+        assert release["reason"] == "idle" and release["rule"] == "hand over"
+        assert (release["switchTokens"], release["switchMs"]) == (2000, 1000) and release["idleMs"] >= 1000
         (dead,) = wait_for(lambda: [e for e in lq.read_event_log([log]) if e["event"] == "dead"])
         assert dead["sessionKey"] == "A" and dead["switchTokens"] == 2000 and dead["switchMs"] == 1000
         assert dead["rule"] == "hand over" and dead["idleMs"] >= 1000

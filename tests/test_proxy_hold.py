@@ -13,6 +13,11 @@ window, a holder nobody waits for keeps its slot through the grace.  Those windo
 from a waiting subagent; a waiting parent gets the slot at the end of the response, whatever it
 said, unless the queue knows that a switch re-prefills there (``switchCost: dear``): then a
 parent holder keeps its window from a parent too.
+
+Those windows are the rules in force.  The cost rule bounds them: a slot someone waits for is
+kept no longer than a switch could cost at worst (re-prefilling every context still in use, at the
+server's own rate).  So the stub says here that each agent's context is 40k tokens (50 s to
+prefill again at its rate), far past any window; with its usual 40 tokens the slot goes at 50 ms.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import pytest
 
 import llmqueue as lq
 from tests.harness import DaemonProc, started, wait_for
+import tests.stub as stub_module
 from tests.stub import StubEndpoint, _closing, _delta, _opening
 from tests.test_proxy import RunningProxy
 
@@ -59,6 +65,13 @@ def test_endings_of_non_streamed_bodies_and_chunks_that_say_nothing() -> None:
 
 
 # -- through the proxy ------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def large_contexts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every stub response reports a 40k-token prompt, 10 tokens of it prefilled in 12.5 ms."""
+    monkeypatch.setitem(stub_module.USAGE, "prompt", 40_000)
+    monkeypatch.setitem(stub_module.USAGE, "cached", 39_990)
 
 
 @pytest.fixture
@@ -136,6 +149,17 @@ def test_a_response_that_asks_for_a_tool_keeps_the_slot_through_the_grace(
         stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
     waited = handover_after(stub, daemon, proxy, "tool_calls")
     assert GRACE_MS / 1000 - 0.5 < waited < GRACE_MS / 1000 + 3
+
+
+def test_where_a_switch_costs_less_than_the_grace_the_slot_goes_once_that_is_spent(
+        stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A response that asks for a tool keeps the slot through the grace, by the rules; but where the
+    server re-prefills the whole context in 50 ms (40 tokens at 1.25 ms), keeping it 3 s idle for
+    a waiter is pure loss: it goes once that much idle time is spent."""
+    monkeypatch.setitem(stub_module.USAGE, "prompt", 40)
+    monkeypatch.setitem(stub_module.USAGE, "cached", 30)
+    waited = handover_after(stub, daemon, proxy, "tool_calls")
+    assert waited < SOON  # not the 3 s grace
 
 
 def test_a_response_that_says_neither_keeps_the_whole_grace_before_the_first_gap_is_known(
