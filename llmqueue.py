@@ -1476,8 +1476,8 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
     little, not as a whole eviction.  ``in_use``: whether a session's context will be needed
     again.  ``setting``: the queue's ``switchCost``, where a person said it (``cheap``: free;
     ``dear``: the holder's context); or ``rules``, the bound on the rules in force (``holdRule:
-    rules``): the most a switch can cost, every context in use but the waiter's, whatever the
-    server was seen to keep.  Pure."""
+    rules``): the most a switch can cost, every context in use but the waiter's (of the latest
+    ``MAX_DEPTH`` reported), whatever the server was seen to keep.  Pure."""
     rate = affinity.ms_per_token() if affinity is not None else None
     measured = rate is not None
     per_token = rate if rate is not None else 1000.0 / ASSUMED_PREFILL_TPS
@@ -1488,7 +1488,8 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
         return HoldCost(idle_ms, None, None, False, "no context sizes reported, so a switch is dear")
     room = affinity.room if affinity is not None and setting == "auto" else None
     if setting == "rules":  # the most a switch can cost: every context still in use, but the waiter's
-        tokens = float(sum(n for session, n in prompts.items() if session != waiter and in_use(session)))
+        latest = itertools.islice(reversed(prompts), MAX_DEPTH)  # older ones are long gone anyway
+        tokens = float(sum(prompts[s] for s in latest if s != waiter and in_use(s)))
         why = "the most a switch can cost: every context still in use but the waiter's, prefilled again"
     elif affinity is None or room is None:  # no return was kept: nothing says it keeps more than the waiter's
         tokens = float(prompts[holder])
@@ -2910,14 +2911,19 @@ class Scheduler:
         requests to a waiting parent.  With nothing known of the contexts' sizes, the seed's rule:
         an idle holder keeps its slot, to the idle-yield.  ``bound``: the same, as the bound on the
         rules in force (``holdRule: rules``), after they had their say: no hand-over of the spec's
-        at once (the rules make those), and each priced at the most a switch can cost."""
+        at once (the rules make those), each priced at the most a switch can cost, and an idle
+        holder of a queue left over capacity goes too, though its slot grants nobody by itself."""
         self._fill(q, now, events)
         while q.waiting:
             nxt = self._pick(q, now)
             due: Optional[float] = None
             chosen: Optional[tuple[Holder, Optional[HoldCost]]] = None
+            limit = q.policy.max_streams
+            # left over capacity (a reload, or ``"auto"``'s streams fell): an idle holder's slot
+            # frees nobody's by itself, but each one kept keeps the waiters out as surely
+            over = bound and limit is not None and q.held() - q.spares > limit
             for holder in q.all_holders():
-                if holder.idle_since is None or not q.frees_for_waiter(holder):
+                if holder.idle_since is None or not (q.frees_for_waiter(holder) or over and not holder.spare):
                     continue
                 if not bound and holder.parked and not (holder.gap or holder.turn):
                     chosen = (holder, self._hold_cost(q, holder, now))  # spec: it waits on another agent

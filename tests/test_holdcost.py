@@ -250,6 +250,36 @@ def test_under_the_default_rules_an_idle_slot_goes_once_it_idled_what_a_switch_c
         assert now >= min(bound, idle_at + lq.QueuePolicy(max_streams=1).idle_yield_ms) - 1e-6
 
 
+def test_a_queue_left_over_capacity_drains_its_idle_holders_by_the_bound_too() -> None:
+    """A reload lowers ``maxStreams`` from 2 to 1 while A and B hold, both idle, and W waits.  No
+    stream is preempted, but an idle slot is no stream: each goes once it has idled what a switch
+    could cost at worst (A's 1,000 tokens and B's 3,000 at 1 ms), so W is granted when the later
+    of them has, not when both happen to release.  (Before, W waited for both to end their runs.)"""
+    def addressing(streams: int) -> lq.Addressing:
+        config, errors, _ = lq.validate_config({"defaults": {"maxStreams": streams, "switchCost": "dear"}})
+        assert errors == []
+        return lq.Addressing(config)
+
+    s = lq.Scheduler(addressing(2))
+    for who, tokens in (("A", 1000), ("B", 3000)):
+        assert _granted_to(s.acquire(who.lower(), K, who, "child", activity=True, now=0.0), who)
+        s.usage(K, who, tokens, 0, True, float(tokens), now=0.0)
+        assert s.beat(K, who, now=10.0, busy=False)
+    s.reconfigure(addressing(1), now=20.0)
+    assert not _granted_to(s.acquire("w", K, "W", "child", activity=True, now=30.0), "W")
+    bound = 30.0 + 4000.0  # both contexts in use, each holder's bound alike
+    now = 30.0
+    granted = False
+    while not granted:
+        due = s.next_exact()
+        assert due is not None and due <= bound + 1e-6, (due, bound)
+        now = max(now, due)
+        granted = _granted_to(s.sweep(now=now), "W")
+    assert now == pytest.approx(bound)
+    (q,) = s.status(now=now)
+    assert [h["sessionKey"] for h in q["holders"]] == ["W"]
+
+
 # -- through the socket ----------------------------------------------------------------------------
 
 
