@@ -4352,18 +4352,21 @@ class Lease:
         """Esc: give the slot back now (the daemon's ``cancel``: a holder is released)."""
         self.client._finish(self, "cancel")
 
-    def beat(self, timeout: float = 5.0) -> bool:
-        """A keyed activity beat now; returns whether the slot is still held."""
-        return self.client._beat(self, timeout)
+    def beat(self, timeout: float = 5.0, busy: bool = False) -> bool:
+        """A keyed activity beat now; returns whether the slot is still held.  ``busy``: a
+        request starts on it, in the same message (``busy: true``), so no idle-slot hand-over can
+        fall between the beat's "still held" and the request."""
+        return self.client._beat(self, timeout, busy)
 
-    def ensure(self, timeout: Optional[float] = None) -> Lease:
+    def ensure(self, timeout: Optional[float] = None, busy: bool = False) -> Lease:
         """Before each request: this request's keyed beat, and if the slot is gone (yielded,
         evicted, the daemon restarted) queue again and wait for it -- a lost lease never streams
-        unqueued.  A lease let through unqueued (fail-open) tries to queue again too."""
+        unqueued.  A lease let through unqueued (fail-open) tries to queue again too.  ``busy``:
+        the beat also says the request is in flight (a fresh grant is, from the start)."""
         if self.released:
             raise LLMQueueError(f"{self.session_key}: the lease on {self.queue_key} was released")
         handed, self._handback = self._handback, False  # this beat ends the gap
-        if self.held and not self.beat():
+        if self.held and not self.beat(busy=busy):
             self.lost = True
         if self.lost and handed:
             # it gave way in the gap: to a parent (a child queues next after it), or to find out
@@ -4683,7 +4686,7 @@ class Client:
                         if lease.queued:
                             lease.lost = True
                             self._lost_now(lease)
-                waiting = None if "busy" in reply else self._beats.get(key)  # a busy mark waits for nothing
+                waiting = self._beats.get(key)
                 if waiting:
                     waiting.pop(0).resolve(reply)
                     if not waiting:
@@ -4983,7 +4986,7 @@ class Client:
         if lease.queued:
             self._quietly({"op": op, "queueKey": lease.queue_key, "sessionKey": lease.session_key})
 
-    def _beat(self, lease: Lease, timeout: float) -> bool:
+    def _beat(self, lease: Lease, timeout: float, busy: bool = False) -> bool:
         if not lease.held:
             return False
         with self._cv:
@@ -4995,6 +4998,8 @@ class Client:
         message: dict[str, Any] = {"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key}
         if lease._handback:
             message["handback"] = True  # still between two requests: the beat keeps the gap
+        if busy:
+            message["busy"] = True
         try:
             pending = self._send_beat(lease, message)
         except DaemonUnavailable:
@@ -5004,10 +5009,10 @@ class Client:
         return pending.reply.get("granted") is True
 
     def _send_beat(self, lease: Lease, message: dict[str, Any]) -> _Pending:
-        """Send a keyed renew whose reply (no ``busy`` in it) answers a beat, and return its
-        place in the order of those replies.  The daemon answers in the order the renews went
-        out, so each one takes its place as it is sent, the background beats' too: otherwise a
-        late reply to an earlier renew (a park mark's \"still held\") would answer a later beat."""
+        """Send a keyed renew, and return its place in the order of their replies.  The daemon
+        answers in the order the renews went out, so each one takes its place as it is sent, the
+        background beats' and the busy marks' too: otherwise a late reply to an earlier renew (a
+        park mark's \"still held\") would answer a later beat."""
         key = (lease.queue_key, lease.session_key)
         pending = _Pending()
         self._send(message, connect=False, then=lambda: self._beats.setdefault(key, []).append(pending))
@@ -5284,11 +5289,14 @@ class Client:
     def _hand_back(self, lease: Lease) -> None:
         """The lease's request ended and its run goes on: tell the daemon (a keyed ``renew`` with
         ``handback`` and ``busy: false``), so a parent that waits, or comes while the gap lasts,
-        gets the slot at once.  Its reply (``busy`` echoed) answers no beat."""
+        gets the slot at once.  Its reply (``busy`` echoed) takes its place among the beats'."""
         if lease.queued and not lease.released and not lease.lost:
             lease._handback = True
-            self._quietly({"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key,
-                           "handback": True, "busy": False})
+            try:
+                self._send_beat(lease, {"op": "renew", "queueKey": lease.queue_key,
+                                        "sessionKey": lease.session_key, "handback": True, "busy": False})
+            except DaemonUnavailable:
+                pass
 
 
 class Session:
@@ -5523,8 +5531,12 @@ class Session:
         lease = self.lease
         if lease is None or lease.released:
             lease = self.start(timeout)
+            self._mark(lease, True)  # a grant is busy from the start; a slot still held says so
         else:
-            lease.ensure(timeout)  # its beat's reply also says whether a parent waits
+            # Its beat says the request is in flight, in the same message: no idle hand-over can
+            # come between "still held" and the request (a slot lost meanwhile is queued for
+            # again, and a fresh grant is busy).  Its reply also says whether a parent waits.
+            lease.ensure(timeout, busy=True)
             if (may_hand_back and self.role == "child" and lease.held and lease._parent_waiting
                     and lease.seq is not None and self._served == lease.seq):
                 # A parent waits, and this grant has served us at least once: the slot goes to
@@ -5532,7 +5544,6 @@ class Session:
                 self.client._give_back(lease)
                 lease.ensure(timeout)
         self._served = lease.seq
-        self._mark(lease, True)
         if self.slots is not None and lease.queued:  # held (not failed open): never mid-stream
             self.slots.switch_to(self.slot_key)
         return lease
@@ -5541,8 +5552,11 @@ class Session:
         """Tell the daemon whether a request is in flight on the slot (a keyed renew with
         ``busy``): the time it is held with none while someone waits is dead time."""
         if lease.queued and not lease.released:
-            self.client._quietly({"op": "renew", "queueKey": lease.queue_key, "sessionKey": lease.session_key,
-                                  "busy": busy})
+            try:
+                self.client._send_beat(lease, {"op": "renew", "queueKey": lease.queue_key,
+                                               "sessionKey": lease.session_key, "busy": busy})
+            except DaemonUnavailable:
+                pass
 
     def _after_request(self) -> None:
         """A subagent's request ended (nothing of it streams now): one beat asks whether a parent

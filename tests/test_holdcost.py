@@ -347,6 +347,40 @@ def test_status_and_the_log_show_both_sides_for_an_idle_holder_that_someone_wait
         assert usage[0]["prefillMs"] == 1000
 
 
+def test_a_request_that_starts_on_an_idle_slot_is_a_stream_at_once_so_the_bound_never_takes_it() -> None:
+    """A live stream is never preempted.  Where switches are dear, a parent's ``Client`` session
+    keeps its slot between two requests (busy: false, no hand-back), and the bound hands it to a
+    waiter once it has idled 1 s (A's 2,000 tokens at 0.5 ms).  A request that starts before that is
+    in flight for the daemon from the beat that found the slot still held, whatever becomes of the
+    messages after it.  (Were it so only from a busy mark sent after that beat, the bound could
+    fall between the two and hand the slot over under the stream: two requests at a server that
+    runs one.)"""
+    for d in started(config={"defaults": {"switchCost": "dear"}}):
+        b = d.peer()
+        client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
+        try:
+            session = client.session(K, "A", spare=False)
+            with session.run():
+                with session.request():
+                    session.usage(2000, 0, prefill_ms=1000.0)
+                wait_for(lambda: client.switch_cost(K) == "dear")
+                with session.request():  # its end, known dear: the slot kept, idle
+                    pass
+                b.send(acquire("B"))
+                wait_for(lambda: d.waiting(K) == ["B"])
+                marked = session._mark
+                session._mark = lambda lease, busy: None if busy else marked(lease, busy)  # type: ignore[method-assign]
+                with session.request():
+                    began = time.monotonic()
+                    while time.monotonic() - began < 2.0:  # streaming, past the bound's 1 s
+                        assert d.holders(K) == ["A"]
+                        time.sleep(0.1)
+                session._mark = marked  # type: ignore[method-assign]
+            assert b.recv(10.0)["op"] == "granted"  # the run over, B's turn
+        finally:
+            client.close()
+
+
 def test_a_hand_over_in_the_log_carries_the_rule_at_that_moment() -> None:
     log = os.path.join(short_tmpdir(), "events.log")
     for d in started(config={"defaults": {"logFile": log, "switchCost": "cheap"}}):

@@ -162,6 +162,43 @@ def test_where_a_switch_costs_less_than_the_grace_the_slot_goes_once_that_is_spe
     assert waited < SOON  # not the 3 s grace
 
 
+def test_a_request_that_starts_while_the_slot_idles_is_a_stream_the_bound_never_takes(
+        stub: StubEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live stream is never preempted.  Where switches are dear, A keeps its slot through a tool
+    call's grace while B waits (no hand-back), and the bound hands it over once A has idled 1 s
+    (A's 800 tokens at 1.25 ms).  A's next request starts before that: it is in flight for the
+    daemon from the beat that found the slot still held, whatever becomes of the messages after
+    it, so B reaches the server only once A's stream is over.  (Were it so only from a busy mark
+    sent after that beat, the bound could fall between the two: two requests at a server that runs
+    one.)"""
+    monkeypatch.setitem(stub_module.USAGE, "prompt", 800)
+    monkeypatch.setitem(stub_module.USAGE, "cached", 790)
+    for d in started(config={"defaults": {"agingAfterSlots": 0, "agingAfterMs": 0, "switchCost": "dear"}}):
+        p = RunningProxy(stub.base, d.agent_dir, grace_ms=GRACE_MS)
+        try:
+            post(p.port, body("A"), "A0", "tool_calls")
+            wait_for(lambda: p.proxy.client.switch_cost(p.proxy.queue_key) == "dear")
+            post(p.port, body("A", 1), "A1", "tool_calls")  # its end, known dear: the slot kept, idle
+            b = threading.Thread(target=post, args=(p.port, body("B"), "B", "stop", "/v1/chat/completions"))
+            b.start()
+            wait_for(lambda: len(d.waiting(stub.base)) == 1)
+            marked = lq.Session._mark
+            monkeypatch.setattr(lq.Session, "_mark", lambda self, lease, busy: None if busy else marked(self, lease, busy))
+            ended: List[float] = []
+            a = threading.Thread(target=lambda: ended.append(post(p.port, body("A", 2), "slow-A2", "tool_calls")))
+            a.start()
+            wait_for(lambda: stub.started("slow-A2"))
+            time.sleep(2.0)  # streaming, past the bound's 1 s
+            assert not stub.started("B")
+            stub.let_slow_finish()
+            a.join(30)
+            b.join(30)
+            rec = stub.record("B")
+            assert rec is not None and ended and rec["start"] >= ended[0] - 0.5
+        finally:
+            p.close()
+
+
 def test_a_response_that_says_neither_keeps_the_whole_grace_before_the_first_gap_is_known(
         stub: StubEndpoint, daemon: DaemonProc, proxy: RunningProxy) -> None:
     waited = handover_after(stub, daemon, proxy, "length")
