@@ -1613,6 +1613,12 @@ class _Queue:
         limit = self.policy.max_streams
         return limit is None or self.held() - self.spares < limit
 
+    def over_capacity(self) -> bool:
+        """More slots of ``max_streams`` held than it allows (a reload lowered it, or ``"auto"``'s
+        streams fell): the overrun drains as the holders give theirs up."""
+        limit = self.policy.max_streams
+        return limit is not None and self.held() - self.spares > limit
+
     def spare_room(self, leaving: bool = False) -> bool:
         """A spare stream a parent may take: one is free, and subagents hold every slot of
         ``max_streams`` (a parent waits for another parent, as the spec says).  ``leaving``: once
@@ -1629,7 +1635,7 @@ class _Queue:
         if holder.spare:
             w = self.head(PARENT)
             return w is not None and w.spare and self.spares <= self.policy.parent_streams and not self.parents
-        return self.held() - self.spares <= limit
+        return not self.over_capacity()
 
     def empty(self) -> bool:
         return not self.holders and not self.extra and not self.waiting
@@ -2496,7 +2502,7 @@ class Scheduler:
         for q in list(self._queues.values()):
             self._refill(q, now, events)
             limit = q.policy.max_streams
-            if limit is not None and (q.held() - q.spares > limit or q.spares > q.policy.parent_streams):
+            if limit is not None and (q.over_capacity() or q.spares > q.policy.parent_streams):
                 events.append(OverCapacity(q.key, q.held(), limit))
             self._settle(q)
         self._compact()
@@ -2918,10 +2924,9 @@ class Scheduler:
             nxt = self._pick(q, now)
             due: Optional[float] = None
             chosen: Optional[tuple[Holder, Optional[HoldCost]]] = None
-            limit = q.policy.max_streams
             # left over capacity (a reload, or ``"auto"``'s streams fell): an idle holder's slot
             # frees nobody's by itself, but each one kept keeps the waiters out as surely
-            over = bound and limit is not None and q.held() - q.spares > limit
+            over = bound and q.over_capacity()
             for holder in q.all_holders():
                 if holder.idle_since is None or not (q.frees_for_waiter(holder) or over and not holder.spare):
                     continue

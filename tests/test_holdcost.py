@@ -381,6 +381,37 @@ def test_a_request_that_starts_on_an_idle_slot_is_a_stream_at_once_so_the_bound_
             client.close()
 
 
+def test_through_the_socket_a_queue_left_over_capacity_drains_its_idle_holders_by_the_bound() -> None:
+    """A reload lowers ``maxStreams`` from 2 to 1 while A and B hold, idle, and C then waits.  Each
+    idle holder goes once it has idled what a switch could cost at worst (both contexts in use:
+    2,000 tokens at 0.5 ms, 1 s), though one release alone frees no slot: C is granted then, and
+    not at the 30 s idle-yield (neither A nor B ever releases)."""
+    log = os.path.join(short_tmpdir(), "events.log")
+    defaults = {"logFile": log, "daemonIdleExitMs": 10**9}
+    for d in started(config={"defaults": dict(defaults, maxStreams=2)}):
+        peers = {"A": d.peer(), "B": d.peer()}
+        for who, p in peers.items():
+            assert p.ask(dict(acquire(who), role="child"))["op"] == "granted"
+            assert p.ask({"op": "usage", "queueKey": K, "sessionKey": who, "prefilled": 1000, "reused": 0,
+                          "prefillMs": 500})["op"] == "ok"
+            assert p.ask(busy(who, False))["busy"] is False
+        d.write_config({"defaults": dict(defaults, maxStreams=1)})
+        wait_for(lambda: d.queue(K)["maxStreams"] == 1, 10.0)
+        c = d.peer()
+        came = time.monotonic()
+        c.send(dict(acquire("C"), role="child"))
+        wait_for(lambda: d.waiting(K) == ["C"])
+        assert c.recv(10.0)["op"] == "granted"
+        assert time.monotonic() - came >= 1.0 - 0.05
+        assert d.holders(K) == ["C"]
+        def released() -> List[Dict[str, Any]]:
+            return [e for e in lq.read_event_log([log]) if e["event"] == "release" and e["sessionKey"] in "AB"]
+
+        releases = wait_for(lambda: len(released()) == 2 and released())
+        assert sorted((e["sessionKey"], e["reason"], e["switchTokens"]) for e in releases) == [
+            ("A", "idle", 2000), ("B", "idle", 2000)]
+
+
 def test_a_hand_over_in_the_log_carries_the_rule_at_that_moment() -> None:
     log = os.path.join(short_tmpdir(), "events.log")
     for d in started(config={"defaults": {"logFile": log, "switchCost": "cheap"}}):
