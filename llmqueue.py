@@ -2695,6 +2695,10 @@ class Scheduler:
     def _flight(q: _Queue, now: float) -> None:
         """Before the queue's requests in flight change at ``now``: each of them ran beside the
         others since its ``mark``."""
+        if len(q.holders) <= 1 and not q.extra:  # alone: nothing shared (the common case)
+            for h in q.holders.values():
+                h.mark = now
+            return
         flying = [h for h in q.all_holders() if h.busy_since is not None]
         for h in flying:
             h.shared_ms += (now - h.mark) * (len(flying) - 1)
@@ -3899,7 +3903,7 @@ class Daemon:
     def _apply(self, events: list[Event]) -> None:
         """Replies and log lines from the same events, so the two cannot disagree.  Dead spells
         that ended in the same call are logged first: they end while their holder still holds."""
-        spells = self.scheduler.take_dead()
+        spells = self.scheduler.take_dead() if self.scheduler._spells else None
         logging = self.log_path is not None
         if spells and logging:
             for spell in spells:
@@ -4221,7 +4225,9 @@ class Daemon:
     def log_path(self) -> Optional[str]:
         """The event log's path: ``--log-file``, else the config's ``logFile`` (relative to the
         config's folder); None when there is none."""
-        return self.log_file or config_log_path(self.config_path, self.config.log_file)
+        if self.log_file or not self.config.log_file:
+            return self.log_file
+        return config_log_path(self.config_path, self.config.log_file)
 
     def _flush_log(self) -> None:
         """Append this turn's event lines.  Best effort: every failure is swallowed, because
