@@ -4639,17 +4639,20 @@ class Client:
         return sock
 
     def _send(self, *messages: dict[str, Any], connect: bool = True, generation: Optional[int] = None,
-              then: Optional[Callable[[], None]] = None) -> None:
+              then: Optional[Callable[[], None]] = None, still: Optional[Callable[[], bool]] = None) -> None:
         """Send requests (in one write); raises DaemonUnavailable when there is no daemon to send it to, or
         (given ``generation``) when the connection is no longer the one the caller expects.  ``then``
         runs (holding ``_cv``) just before the write, in the order of the writes: what waits for
-        the reply takes its place in the order of the replies."""
+        the reply takes its place in the order of the replies.  ``still`` (asked holding ``_cv``,
+        in that order too): whether the message still says what is so; if not, nothing is sent."""
         with self._send_lock:
             with self._cv:
                 sock = self._connect() if connect else self._sock
                 if sock is None or (generation is not None and generation != self._generation):
                     raise DaemonUnavailable("not connected")
                 live = self._generation
+                if still is not None and not still():
+                    return
                 if then is not None:
                     then()
             try:
@@ -5019,14 +5022,16 @@ class Client:
             return lease.held
         return pending.reply.get("granted") is True
 
-    def _send_beat(self, lease: Lease, message: dict[str, Any]) -> _Pending:
+    def _send_beat(self, lease: Lease, message: dict[str, Any],
+                   still: Optional[Callable[[], bool]] = None) -> _Pending:
         """Send a keyed renew, and return its place in the order of their replies.  The daemon
         answers in the order the renews went out, so each one takes its place as it is sent, the
         background beats' and the busy marks' too: otherwise a late reply to an earlier renew (a
         park mark's \"still held\") would answer a later beat."""
         key = (lease.queue_key, lease.session_key)
         pending = _Pending()
-        self._send(message, connect=False, then=lambda: self._beats.setdefault(key, []).append(pending))
+        self._send(message, connect=False, then=lambda: self._beats.setdefault(key, []).append(pending),
+                   still=still)
         return pending
 
     def usage(self, queue_key: str, session_key: str, prefilled: int, reused: int = 0,
@@ -5280,7 +5285,10 @@ class Client:
 
         def send() -> None:
             try:
-                self._send_beat(lease, message)  # its reply answers nobody, in its turn
+                # its reply answers nobody, in its turn; a park only while the lease is still
+                # parked: a request that began since (its beat un-parked it) is streaming, and a
+                # park that reached the daemon after that beat would idle a live holder
+                self._send_beat(lease, message, still=(lambda: lease._parked) if parked else None)
             except DaemonUnavailable:
                 pass
 
@@ -5387,13 +5395,14 @@ class Session:
             self._settled.__exit__(None, None, None)
             self._settled = None
 
-    def start(self, timeout: Optional[float] = None) -> Lease:
-        """The run starts: hold the slot (a pending grace release is called off)."""
+    def start(self, timeout: Optional[float] = None, busy: bool = False) -> Lease:
+        """The run starts: hold the slot (a pending grace release is called off).  ``busy``: a
+        request starts on it (``Lease.ensure``)."""
         with self._lock:
             self._call_off_grace()
             lease = self.lease
         if lease is not None and not lease.released:
-            return lease.ensure(timeout)
+            return lease.ensure(timeout, busy=busy)
         spare = self.spare
         if spare is None:  # where the server runs one request at a time, a spare stream buys nothing
             spare = self.role == "parent" and (self.slots is None or self.slots.total_slots() != 1)
@@ -5541,7 +5550,7 @@ class Session:
         self.client._gap_over(self.queue_key, self.session_key)
         lease = self.lease
         if lease is None or lease.released:
-            lease = self.start(timeout)
+            lease = self.start(timeout, busy=True)
             self._mark(lease, True)  # a grant is busy from the start; a slot still held says so
         else:
             # Its beat says the request is in flight, in the same message: no idle hand-over can

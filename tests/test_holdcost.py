@@ -347,14 +347,13 @@ def test_status_and_the_log_show_both_sides_for_an_idle_holder_that_someone_wait
         assert usage[0]["prefillMs"] == 1000
 
 
-def test_a_request_that_starts_on_an_idle_slot_is_a_stream_at_once_so_the_bound_never_takes_it() -> None:
-    """A live stream is never preempted.  Where switches are dear, a parent's ``Client`` session
-    keeps its slot between two requests (busy: false, no hand-back), and the bound hands it to a
-    waiter once it has idled 1 s (A's 2,000 tokens at 0.5 ms).  A request that starts before that is
-    in flight for the daemon from the beat that found the slot still held, whatever becomes of the
-    messages after it.  (Were it so only from a busy mark sent after that beat, the bound could
-    fall between the two and hand the slot over under the stream: two requests at a server that
-    runs one.)"""
+def a_stream_begun_while_the_slot_idles(late: str) -> None:
+    """Where switches are dear, a parent's ``Client`` session keeps its slot between two requests
+    (busy: false, no hand-back), and the bound hands it to a waiting B once it has idled 3 s (A's
+    6,000 tokens at 0.5 ms).  A's next request starts before that, and streams for 4 s while a
+    message about the slot comes late: ``"mark"``, the request's separate busy mark never comes;
+    ``"park"``, a park the beat thread had decided on just before the request goes out only after
+    the request's beat.  The slot stays A's throughout, and is B's once A's run is over."""
     for d in started(config={"defaults": {"switchCost": "dear"}}):
         b = d.peer()
         client = lq.Client(d.agent_dir, autostart=False, fail_open=False)
@@ -362,23 +361,48 @@ def test_a_request_that_starts_on_an_idle_slot_is_a_stream_at_once_so_the_bound_
             session = client.session(K, "A", spare=False)
             with session.run():
                 with session.request():
-                    session.usage(2000, 0, prefill_ms=1000.0)
+                    session.usage(6000, 0, prefill_ms=3000.0)
                 wait_for(lambda: client.switch_cost(K) == "dear")
                 with session.request():  # its end, known dear: the slot kept, idle
                     pass
                 b.send(acquire("B"))
                 wait_for(lambda: d.waiting(K) == ["B"])
                 marked = session._mark
-                session._mark = lambda lease, busy: None if busy else marked(lease, busy)  # type: ignore[method-assign]
+                lease = session.lease
+                assert lease is not None
+                if late == "mark":
+                    session._mark = lambda lease, busy: None if busy else marked(lease, busy)  # type: ignore[method-assign]
+                else:
+                    with client._cv:  # the beat thread decides to park the slot ...
+                        lease._parked, lease._parked_gap = True, True
+                    park = client._beat_action(lease, parked=True, gap=True)
                 with session.request():
+                    if late == "park":
+                        park()  # ... and its park goes out only now
+                    assert d.waiting(K) == ["B"]  # the request began before the bound
                     began = time.monotonic()
-                    while time.monotonic() - began < 2.0:  # streaming, past the bound's 1 s
+                    while time.monotonic() - began < 4.0:  # streaming, past the bound's 3 s
                         assert d.holders(K) == ["A"]
                         time.sleep(0.1)
                 session._mark = marked  # type: ignore[method-assign]
             assert b.recv(10.0)["op"] == "granted"  # the run over, B's turn
         finally:
             client.close()
+
+
+def test_a_request_that_starts_on_an_idle_slot_is_a_stream_at_once_so_the_bound_never_takes_it() -> None:
+    """A live stream is never preempted: a ``Client`` session's request is in flight for the daemon
+    from the beat that found the slot still held, whatever becomes of the messages after it.  (Were
+    it so only from a busy mark sent after that beat, the bound could fall between the two and hand
+    the slot over under the stream: two requests at a server that runs one.)"""
+    a_stream_begun_while_the_slot_idles("mark")
+
+
+def test_a_park_decided_before_a_request_began_never_reaches_the_daemon_after_it() -> None:
+    """A live stream is never preempted: a park the client's beat thread decided on while the
+    session paused is not sent once a request has begun (its beat un-parked the slot); sent after
+    that beat, it would tell the daemon that a streaming holder idles, and the slot would go."""
+    a_stream_begun_while_the_slot_idles("park")
 
 
 def test_through_the_socket_a_queue_left_over_capacity_drains_its_idle_holders_by_the_bound() -> None:

@@ -165,16 +165,16 @@ def test_where_a_switch_costs_less_than_the_grace_the_slot_goes_once_that_is_spe
 def test_a_request_that_starts_while_the_slot_idles_is_a_stream_the_bound_never_takes(
         stub: StubEndpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """A live stream is never preempted.  Where switches are dear, A keeps its slot through a tool
-    call's grace while B waits (no hand-back), and the bound hands it over once A has idled 1 s
-    (A's 800 tokens at 1.25 ms).  A's next request starts before that: it is in flight for the
+    call's grace while B waits (no hand-back), and the bound hands it over once A has idled 3 s
+    (A's 2,400 tokens at 1.25 ms).  A's next request starts before that: it is in flight for the
     daemon from the beat that found the slot still held, whatever becomes of the messages after
     it, so B reaches the server only once A's stream is over.  (Were it so only from a busy mark
     sent after that beat, the bound could fall between the two: two requests at a server that runs
     one.)"""
-    monkeypatch.setitem(stub_module.USAGE, "prompt", 800)
-    monkeypatch.setitem(stub_module.USAGE, "cached", 790)
+    monkeypatch.setitem(stub_module.USAGE, "prompt", 2400)
+    monkeypatch.setitem(stub_module.USAGE, "cached", 2390)
     for d in started(config={"defaults": {"agingAfterSlots": 0, "agingAfterMs": 0, "switchCost": "dear"}}):
-        p = RunningProxy(stub.base, d.agent_dir, grace_ms=GRACE_MS)
+        p = RunningProxy(stub.base, d.agent_dir, grace_ms=2 * GRACE_MS)  # a grace past the bound
         try:
             post(p.port, body("A"), "A0", "tool_calls")
             wait_for(lambda: p.proxy.client.switch_cost(p.proxy.queue_key) == "dear")
@@ -188,7 +188,8 @@ def test_a_request_that_starts_while_the_slot_idles_is_a_stream_the_bound_never_
             a = threading.Thread(target=lambda: ended.append(post(p.port, body("A", 2), "slow-A2", "tool_calls")))
             a.start()
             wait_for(lambda: stub.started("slow-A2"))
-            time.sleep(2.0)  # streaming, past the bound's 1 s
+            assert len(d.waiting(stub.base)) == 1  # the request began before the bound
+            time.sleep(4.0)  # streaming, past the bound's 3 s
             assert not stub.started("B")
             stub.let_slow_finish()
             a.join(30)

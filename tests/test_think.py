@@ -526,9 +526,9 @@ def test_a_lease_parked_for_a_turn_says_so_and_a_gap_wins() -> None:
             lease = client.acquire(K, "P", "parent", activity=True)  # nobody waits: parks keep it
             original = client._send_beat
 
-            def spy(lease_: Any, message: Any) -> Any:
+            def spy(lease_: Any, message: Any, **kw: Any) -> Any:
                 sent.append(dict(message))
-                return original(lease_, message)
+                return original(lease_, message, **kw)
 
             client._send_beat = spy  # type: ignore[method-assign]
             with lease.blocking(turn=True):
