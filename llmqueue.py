@@ -1024,6 +1024,12 @@ class Holder:
         return 1.0 + self.shared_ms / (self.mark - self.busy_since)
 
     @property
+    def for_good(self) -> bool:
+        """Parked with its run waiting on another agent (not for a tool call's gap, nor at a
+        person's turn's end): done with its context until it comes back."""
+        return self.parked and not (self.gap or self.turn)
+
+    @property
     def persons(self) -> bool:
         """Whether a person is behind it: a parent, not ``background``.  Only such a one's turn
         can be over (``Scheduler.park``'s ``turn``)."""
@@ -2749,7 +2755,7 @@ class Scheduler:
             return None
         idle = max(0.0, now - max(since, first))
         setting = q.policy.switch_cost
-        done = holder.parked and not (holder.gap or holder.turn)  # parked for good: done with its context
+        done = holder.for_good  # done with its context
         if q.policy.hold_rule == "rules" and setting != "cheap":
             setting = "rules"  # the rules' bound: every context in use, whatever the room seen
         cost = hold_cost(self._affinity.get(q.key), setting, holder.session, nxt.session,
@@ -2934,7 +2940,7 @@ class Scheduler:
             for holder in q.all_holders():
                 if holder.idle_since is None or not (q.frees_for_waiter(holder) or over and not holder.spare):
                     continue
-                if not bound and holder.parked and not (holder.gap or holder.turn):
+                if not bound and holder.for_good:
                     chosen = (holder, self._hold_cost(q, holder, now))  # spec: it waits on another agent
                     break
                 if not bound and holder.handback and holder.role == CHILD and nxt is not None and nxt.role == PARENT:
@@ -2959,7 +2965,7 @@ class Scheduler:
                     self._weigh_at(q, due)
                 return
             holder, cost = chosen
-            if holder.parked and not (holder.gap or holder.turn):
+            if holder.for_good:
                 q.park_yields += 1
                 q.came_back(holder.session)
                 reason = "parked"
