@@ -3301,6 +3301,22 @@ def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
+def encode_error(reason: str, line: Union[bytes, str]) -> bytes:
+    """The reply to a request refused as sent.  Where the line is a JSON object, it names what
+    it answers: ``request`` (the op asked for) and ``queueKey``/``sessionKey``, each where it was
+    a string, so a client that matches keyed replies in order knows which one this answers."""
+    reply: dict[str, Any] = {"op": "error", "reason": reason}
+    try:
+        msg = _DECODER.decode(line.decode("utf-8") if isinstance(line, bytes) else line)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return _line(reply)
+    if isinstance(msg, dict):
+        for name, field in (("request", "op"), ("queueKey", "queueKey"), ("sessionKey", "sessionKey")):
+            if isinstance(msg.get(field), str):
+                reply[name] = msg[field]
+    return _line(reply)
+
+
 _OK = b'{"op":"ok"}\n'
 
 
@@ -3841,7 +3857,7 @@ class Daemon:
             try:
                 req = parse_request(line)
             except ProtocolError as e:
-                self._send(c, _line({"op": "error", "reason": str(e)}))
+                self._send(c, encode_error(str(e), line))
                 return
         op = req.op
         now = self._now
@@ -4729,7 +4745,14 @@ class Client:
                 if cost == "cheap" and was != "cheap":  # a subagent in a gap keeps nobody waiting now
                     for park in self._when_cheap.pop(key[0], {}).values():
                         self.call_later(0.0, park)
-            # anything else (a release's ok, a bare renew's ok, an error) has nobody waiting
+            elif op == "error" and reply.get("request") == "renew":
+                # a keyed renew refused (a client's bug): it answers that beat, not the next one
+                waiting = self._beats.get(key)
+                if waiting:
+                    waiting.pop(0).resolve(reply)
+                    if not waiting:
+                        del self._beats[key]
+            # anything else (a release's ok, a bare renew's ok, another error) has nobody waiting
 
     def _connection_lost(self, sock: socket.socket, generation: int) -> None:
         """The daemon is gone: whoever waits is released, and every held slot is lost (the next
@@ -5024,8 +5047,8 @@ class Client:
             pending = self._send_beat(lease, message)
         except DaemonUnavailable:
             return False
-        if not pending.event.wait(timeout) or pending.reply is None:
-            return lease.held
+        if not pending.event.wait(timeout) or pending.reply is None or "granted" not in pending.reply:
+            return lease.held  # no answer (or a refusal): as far as we know
         return pending.reply.get("granted") is True
 
     def _send_beat(self, lease: Lease, message: dict[str, Any],

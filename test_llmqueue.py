@@ -743,7 +743,8 @@ def test_socket_status_reports_queues_holders_and_waiters(shared: DaemonProc, ke
 def test_socket_keyless_requests_are_refused_and_hold_nothing(shared: DaemonProc) -> None:
     with shared.peer() as p:
         for op in ("acquire", "release", "cancel"):
-            assert p.ask({"op": op, "sessionKey": "s"}) == {"op": "error", "reason": f"{op} requires queueKey"}
+            assert p.ask({"op": op, "sessionKey": "s"}) == {"op": "error", "reason": f"{op} requires queueKey",
+                                                            "request": op, "sessionKey": "s"}
         assert all(h["sessionKey"] != "s" for q in shared.status() for h in q["holders"])
 
 

@@ -115,7 +115,26 @@ def test_a_bad_busy_is_an_error_reply_that_changes_nothing(bad: Any) -> None:
             continue
         reply = a.ask(line)
         assert reply["op"] == "error" and "busy must be true or false" in reply["reason"]
+        # it names what it refuses, so a client matching keyed replies in order stays in step
+        assert {k: v for k, v in reply.items() if k != "reason"} == {
+            "op": "error", "request": "renew", "queueKey": K, "sessionKey": "A"}
         assert d.holders(K) == ["A"] and d.queue(K)["deadMs"] == 0
+
+
+def test_a_refused_renew_answers_its_own_beat_in_the_client_not_the_next_one() -> None:
+    """A ``Client`` matches the replies to a session's keyed renews in the order it sent them.  A
+    renew the daemon refuses (a client's bug: here a ``busy`` of the wrong type) takes its own
+    place in that order, so the beat sent after it gets its own answer, not the refusal."""
+    for d in started():
+        with client_of(d) as client:
+            lease = client.acquire(K, "A", "parent")
+            bad = client._send_beat(lease, busy("A", "yes"))
+            good = client._send_beat(lease, busy("A", False))
+            assert good.event.wait(5.0) and bad.event.wait(5.0)
+            assert bad.reply is not None and bad.reply["op"] == "error"
+            assert good.reply == {"op": "ok", "queueKey": K, "sessionKey": "A", "granted": True, "busy": False}
+            assert lease.held and not lease.lost
+            lease.release()
 
 
 def test_client_sessions_say_busy_so_a_tool_gap_someone_waits_through_shows_in_status_report_and_svg() -> None:

@@ -210,7 +210,8 @@ def test_a_bad_spare_field_is_an_error_reply_that_changes_nothing() -> None:
         c, p = d.peer(), d.peer()
         assert c.ask(acquire("C", "child"))["op"] == "granted"
         bad = dict(acquire("P"), spare="yes")
-        assert p.ask(bad) == {"op": "error", "reason": "spare must be true or false (got \"yes\")"}
+        assert p.ask(bad) == {"op": "error", "reason": "spare must be true or false (got \"yes\")",
+                              "request": "acquire", "queueKey": K, "sessionKey": "P"}
         assert d.holders(K) == ["C"] and d.waiting(K) == []
         assert p.ask(acquire("P"))["op"] == "granted"  # the connection still works
 
