@@ -914,11 +914,15 @@ class LeaseTerms(NamedTuple):
 #     measured rate, of the contexts still in use that the waiter's run pushes out of what the
 #     server keeps (learned in tokens from the returns; each by its chance), the waiter's own
 #     when the holder's return pushes it out in turn, and, for a person between turns, the wait
-#     behind a subagent's request they would come back to.  Where a person's thoughts were
-#     timed and what is left of this one is longer than the switch, it goes at once.
+#     behind a subagent's request they would come back to.  Where such idle was timed before (a
+#     person's thoughts; the queue's tool calls between two requests) and what is left of this
+#     one, as they usually go (the median), is longer than the switch, it goes at once: then at
+#     least half of them would have been handed over anyway, and the idle is saved.
 #     Nothing known of the contexts' sizes: kept, to the idle-yield.  It decides where
 #     ``holdRule`` is ``cost``.  Elsewhere (the default) the rules below decide, and it bounds
-#     them at the most a switch can cost: every context still in use but the waiter's.
+#     them at the most a switch can cost: a switch makes room for the larger of the two contexts
+#     it swaps, and a server drops whole contexts, so the largest still in use (not the waiter's)
+#     that fill that room are re-prefilled, whatever the server was seen to keep.
 # Costs: every operation is O(log n) in waiters and holders (heaps with lazy deletion), except
 # ``status`` (linear in what it reports) and ``reconfigure`` (a rebuild).
 # =================================================================================================
@@ -1380,10 +1384,14 @@ class HoldCost(NamedTuple):
     waiting, the switch also costs the person's wait behind its request (``behind_ms``; none where
     their session takes a spare stream beside it, ``parentStreams``): a second
     of a person's wait counts as much as a second of the whole server's, more than any one
-    agent's share of it.  The threshold is ``threshold_ms``.  Where a person's thoughts were timed,
-    ``ahead_ms`` is what is left of this one as they usually go: keeping costs the server that
-    much idle, so where it is longer than the threshold the slot goes at once (and the idle spent
-    still bounds the keep where the measure is wrong).  It decides where the queue's
+    agent's share of it.  The threshold is ``threshold_ms``.  Where the holder's idle was timed
+    before, ``ahead_ms`` is what is left of this one as it usually goes (the median, less what it
+    has lasted): a person's thought between turns, or a tool call between two requests (the
+    queue's recent ones, ``ahead`` says which).  Keeping costs the server that much idle, so
+    where it is longer than the threshold the slot goes at once: with the median past the
+    switch's cost, at least half the gaps would have been handed over anyway, each now without
+    the idle, and one that proves short costs the switch.  The idle spent still bounds the keep
+    where the measure is wrong.  It decides where the queue's
     ``holdRule`` is ``cost``.  Elsewhere the rules in force decide, and it bounds them, priced at
     the most a switch can cost (``hold_cost``'s ``rules``).  Either way ``status`` shows it, and
     the log's hand-overs and dead spells carry it."""
@@ -1395,9 +1403,10 @@ class HoldCost(NamedTuple):
     why: str
     before_ms: float = 0.0
     behind_ms: float = 0.0  # a person between turns: how long they would wait behind the waiter's request
-    # a person between turns: how much longer they will think, as their measured thoughts say
-    # (the median, less what this one has lasted); None: not measured
+    # how much longer the holder's idle will last, as the measured ones say (the median, less
+    # what this one has lasted): a person's thought ("think") or a tool call ("gap"); None: not measured
     ahead_ms: Optional[float] = None
+    ahead: str = "think"
 
     @property
     def spent_ms(self) -> float:
@@ -1427,7 +1436,7 @@ class HoldCost(NamedTuple):
         if self.behind_ms:
             out["personWaitMs"] = round(self.behind_ms)
         if self.ahead_ms is not None:
-            out["thinkAheadMs"] = round(self.ahead_ms)
+            out["thinkAheadMs" if self.ahead == "think" else "gapAheadMs"] = round(self.ahead_ms)
         return out
 
     def explain(self) -> str:
@@ -1437,8 +1446,11 @@ class HoldCost(NamedTuple):
             idle += f", {self.before_ms / 1000:.1f} s more in its earlier gaps"
         if self.switch_ms is None:
             return f"keeping: {self.why}; {idle}"
+        if self.ahead_ms is not None and self.ahead == "gap":
+            idle = (f"its tool calls usually last about {max(0.0, self.ahead_ms) / 1000:.1f} s more; "
+                    f"{idle}")
         person = []
-        if self.ahead_ms is not None:
+        if self.ahead_ms is not None and self.ahead == "think":
             person.append(f"thinks about {max(0.0, self.ahead_ms) / 1000:.1f} s more, as they usually do")
         if self.behind_ms:
             person.append(f"would wait about {self.behind_ms / 1000:.1f} s behind the waiter's request")
@@ -1482,21 +1494,39 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
     little, not as a whole eviction.  ``in_use``: whether a session's context will be needed
     again.  ``setting``: the queue's ``switchCost``, where a person said it (``cheap``: free;
     ``dear``: the holder's context); or ``rules``, the bound on the rules in force (``holdRule:
-    rules``): the most a switch can cost, every context in use but the waiter's (of the latest
-    ``MAX_DEPTH`` reported), whatever the server was seen to keep.  Pure."""
+    rules``): the most a switch can cost, whatever the server was seen to keep.  The waiter's
+    context comes in and the holder's is put aside, so the server makes room for the larger of
+    the two (one never reported counts as the largest context seen; a holder still in use that
+    never reported leaves the rules alone, as where nothing is known): a paged KV frees that
+    many tokens, llama-server's host cache drops whole entries until it fits the holder's.  At
+    worst that pushes out the largest contexts still in use but the waiter's (of the latest
+    ``MAX_DEPTH`` reported), one after another until they fill the room.  (Priced at every
+    context in use instead, the bound kept six subagents' slot idle through gaps five contexts
+    long, where one switch pushes out one.)  Pure."""
     rate = affinity.ms_per_token() if affinity is not None else None
     measured = rate is not None
     per_token = rate if rate is not None else 1000.0 / ASSUMED_PREFILL_TPS
     if setting == "cheap":
         return HoldCost(idle_ms, 0, 0.0, measured, "switchCost is cheap")
     prompts = affinity.prompts if affinity is not None else {}
-    if holder not in prompts:
+    if holder not in prompts and not (setting == "rules" and prompts and not in_use(holder)):
+        # a holder done with its context needs no size of its own to bound the rules: the room
+        # counts it as the largest seen; one still in use that never reported cannot be priced
         return HoldCost(idle_ms, None, None, False, "no context sizes reported, so a switch is dear")
     room = affinity.room if affinity is not None and setting == "auto" else None
-    if setting == "rules":  # the most a switch can cost: every context still in use, but the waiter's
-        latest = itertools.islice(reversed(prompts), MAX_DEPTH)  # older ones are long gone anyway
-        tokens = float(sum(prompts[s] for s in latest if s != waiter and in_use(s)))
-        why = "the most a switch can cost: every context still in use but the waiter's, prefilled again"
+    if setting == "rules":  # the most a switch can cost, whatever the server keeps
+        latest = list(itertools.islice(reversed(prompts), MAX_DEPTH))  # older ones are long gone anyway
+        # the switch brings the waiter's context in and puts the holder's aside: room for the larger
+        # of the two is made, whole contexts out at a time (one never reported may be the largest seen)
+        largest = max(prompts[s] for s in latest)
+        swapped = max(prompts.get(holder, largest), prompts.get(waiter or "", largest))
+        tokens = 0.0
+        for size in sorted((prompts[s] for s in latest if s != waiter and in_use(s)), reverse=True):
+            if tokens >= swapped:
+                break
+            tokens += size  # the dearest contexts in use first
+        why = ("the most a switch can cost: the largest contexts still in use but the waiter's, until "
+               "they fill the room it makes")
     elif affinity is None or room is None:  # no return was kept: nothing says it keeps more than the waiter's
         tokens = float(prompts[holder])
         why = ("switchCost is dear" if setting == "dear" else
@@ -2757,7 +2787,7 @@ class Scheduler:
         setting = q.policy.switch_cost
         done = holder.for_good  # done with its context
         if q.policy.hold_rule == "rules" and setting != "cheap":
-            setting = "rules"  # the rules' bound: every context in use, whatever the room seen
+            setting = "rules"  # the rules' bound: the most a switch can cost, whatever the room seen
         cost = hold_cost(self._affinity.get(q.key), setting, holder.session, nxt.session,
                          lambda session: q.needed(session, now) and not (done and session == holder.session),
                          idle)
@@ -2775,6 +2805,11 @@ class Scheduler:
             # one, as they usually go (``HoldCost.ahead_ms``)
             thoughts = sorted(q.thinks)
             cost = cost._replace(ahead_ms=thoughts[len(thoughts) // 2] - (now - thinking))
+        elif not holder.turn and not done and q.gaps:
+            # between two requests, its tool call timed as the queue's recent ones go: keeping
+            # costs the server what is left of it (``HoldCost.ahead_ms``)
+            gaps = sorted(q.gaps)
+            cost = cost._replace(ahead_ms=gaps[len(gaps) // 2] - (now - since), ahead="gap")
         return cost._replace(before_ms=holder.rent_ms)
 
     def holds(self, q: _Queue, now: float) -> list[tuple[Holder, HoldCost]]:

@@ -101,6 +101,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, NamedTup
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULE = os.path.join(ROOT, "llmqueue.py")
 OLD_MODULE: Optional[str] = None  # --old: an earlier llmqueue.py, for the accesses named ACCESS@old
+MID_MODULE: Optional[str] = None  # --mid: a second one (a step between old and new), for ACCESS@mid
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 import llmqueue  # noqa: E402
@@ -1017,9 +1018,10 @@ def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: 
     global MODULE
     name, _, which = access_name.partition("@")
     if which:
-        if which != "old" or OLD_MODULE is None:
-            raise SystemExit(f"{access_name}: give --old PATH, and name it ACCESS@old")
-        new, MODULE = MODULE, OLD_MODULE
+        earlier = {"old": OLD_MODULE, "mid": MID_MODULE}.get(which)
+        if earlier is None:
+            raise SystemExit(f"{access_name}: give --old PATH (or --mid PATH), and name it ACCESS@old (ACCESS@mid)")
+        new, MODULE = MODULE, earlier
         try:
             return run_once(pattern, name, upstream, wl, salt, background, keep_log)
         finally:
@@ -1244,11 +1246,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--old", metavar="PATH", help="an earlier llmqueue.py: an access named ACCESS@old runs its "
                                                   "daemon and proxy from it (e.g. client-cost@old)")
+    ap.add_argument("--mid", metavar="PATH", help="a second earlier llmqueue.py (a step between --old and "
+                                                  "this one): an access named ACCESS@mid runs from it")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="run every access N times, in rounds, and add a table of medians (default 1)")
     args = ap.parse_args(argv)
-    global OLD_MODULE
-    OLD_MODULE = args.old
+    global OLD_MODULE, MID_MODULE
+    OLD_MODULE, MID_MODULE = args.old, args.mid
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
     if args.keep_logs:
@@ -1264,10 +1268,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     access_names = args.access.split(",")
     for a in access_names:
         name, _, which = a.partition("@")
-        if not known(name) or which not in ("", "old"):
+        if not known(name) or which not in ("", "old", "mid"):
             ap.error(f"unknown access {a!r}")
-        if which and not args.old:
-            ap.error(f"{a}: give --old PATH (an earlier llmqueue.py)")
+        if which and not getattr(args, which):
+            ap.error(f"{a}: give --{which} PATH (an earlier llmqueue.py)")
     for p in patterns:
         if p not in PATTERNS:
             ap.error(f"unknown pattern {p!r}")

@@ -106,6 +106,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--salt", default="fam")
     ap.add_argument("--old", help="an earlier llmqueue.py: an access named ACCESS@old runs its daemon and proxy "
                                   "from it (old against new, in one table, in one run)")
+    ap.add_argument("--mid", help="a second earlier llmqueue.py (a step between --old and this one), for the "
+                                  "accesses named ACCESS@mid")
     ap.add_argument("--pattern", choices=("delegate", "interactive"), default="delegate",
                     help="interactive: a person's five turns, 1.5 s of thought before each, beside subagents "
                          "running jobs of four requests; adds the person's first-token p50 and the "
@@ -114,7 +116,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="the server's slots (default 1); above 1 they share one KV cache, and a GPU batches "
                          "their decode: add ACCESS-sN accesses to run the daemon with maxStreams N")
     args = ap.parse_args(argv)
-    agents.OLD_MODULE = args.old
+    agents.OLD_MODULE, agents.MID_MODULE = args.old, args.mid
     accesses = args.access.split(",")
     cases = [c for c in FAMILY if not args.only or c.name in args.only.split(",")]
     person = args.pattern == "interactive"

@@ -1,6 +1,7 @@
 """One rule for an idle slot, in the server's own seconds (issue 33): the cost model.  It decides
 where ``holdRule`` is ``cost``; by default it bounds the rules in force at the most a switch can
-cost (every context still in use but the waiter's); either way ``status`` shows it and it is logged.
+cost (the largest contexts still in use, but the waiter's, that fill the room a switch makes);
+either way ``status`` shows it and it is logged.
 
 An idle holder that someone waits for is kept while the idle time spent is below what a switch
 would cost: the re-prefill of the contexts still in use that the waiter's run pushes out of what
@@ -26,7 +27,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import llmqueue as lq
@@ -201,28 +202,78 @@ def _granted_to(events: List[Any], session: str) -> bool:
     return any(isinstance(e, lq.Granted) and e.holder.session == session for e in events)
 
 
+def worst_switch(sizes: Dict[str, int], holder: str, waiter: str, in_use: List[str]) -> int:
+    """The most one switch can push out of a server's cache, as the bound prices it: the waiter's
+    context comes in and the holder's is put aside, so room is made for the larger of the two
+    (a waiter never reported counts as the largest context seen), and a server drops whole
+    contexts, so the dearest ones still in use (not the waiter's) count until they fill it.  A
+    holder never reported, done with its context, counts as the largest seen too."""
+    largest = max(sizes.values())
+    swapped = max(sizes.get(holder, largest), sizes.get(waiter, largest))
+    tokens = 0
+    for size in sorted((sizes[s] for s in in_use if s != waiter), reverse=True):
+        if tokens >= swapped:
+            break
+        tokens += size
+    return tokens
+
+
+def test_the_most_a_switch_can_cost_is_the_largest_contexts_in_use_filling_the_room_it_makes() -> None:
+    """Six subagents of 1,000 to 1,500 tokens, all in use: a switch from H (1,200) to W (1,000)
+    makes room for 1,200 tokens, so at worst it pushes out the largest context in use but W's
+    (1,500), not all five of the others.  A waiter whose context is larger makes more room."""
+    a = record(("H", 1200, 0, 120.0), ("W", 1000, 0, 100.0), ("A", 1500, 0, 150.0), ("B", 1100, 0, 110.0),
+               ("C", 1000, 0, 100.0), ("D", 1000, 0, 100.0), ("BIG", 2000, 0, 200.0))
+    in_use = {"H", "W", "A", "B", "C", "D"}.__contains__
+    cost = lq.hold_cost(a, "rules", "H", "W", in_use, 0.0)
+    assert cost.tokens == 1500 and cost.switch_ms == pytest.approx(150.0)
+    cost = lq.hold_cost(a, "rules", "H", "A", in_use, 0.0)  # room for A's 1,500: two contexts go
+    assert cost.tokens == 1200 + 1100
+    cost = lq.hold_cost(a, "rules", "H", "NEW", in_use, 0.0)  # never reported: the largest seen, 2,000
+    assert cost.tokens == 1500 + 1200
+    assert lq.hold_cost(a, "rules", "H", "W", never, 0.0).tokens == 0  # nothing in use: free
+    # a holder that never reported, done with the slot (it took it and made no request): the
+    # room counts it as the largest seen; one still in use cannot be priced, and the rules decide
+    assert lq.hold_cost(a, "rules", "NEW", "W", in_use, 0.0).tokens == 1500 + 1200
+    assert lq.hold_cost(a, "rules", "NEW", "W", always, 0.0).switch_ms is None
+    assert lq.hold_cost(lq._Affinity(), "rules", "NEW", "W", in_use, 0.0).switch_ms is None  # none seen
+
+
 @given(role=st.sampled_from(["parent", "child"]), waiter_role=st.sampled_from(["parent", "child"]),
-       how=st.sampled_from(["busy", "gap", "turn", "handback", "done"]), tokens=st.integers(0, 40_000),
-       other=st.integers(0, 20_000), ms_per_token=st.floats(0.01, 1.0), waiter_after=st.floats(0, 5_000),
+       how=st.sampled_from(["busy", "gap", "turn", "handback", "done"]),
+       tokens=st.one_of(st.none(), st.integers(0, 40_000)),
+       other=st.integers(0, 20_000), waiter_tokens=st.one_of(st.none(), st.integers(1, 40_000)),
+       ms_per_token=st.floats(0.01, 1.0), waiter_after=st.floats(0, 5_000),
        switch=st.sampled_from(["auto", "dear"]))
 def test_under_the_default_rules_an_idle_slot_goes_once_it_idled_what_a_switch_could_cost_at_worst(
-        role: str, waiter_role: str, how: str, tokens: int, other: int, ms_per_token: float,
-        waiter_after: float, switch: str) -> None:
+        role: str, waiter_role: str, how: str, tokens: Optional[int], other: int, waiter_tokens: Optional[int],
+        ms_per_token: float, waiter_after: float, switch: str) -> None:
     """The bound the cost rule puts on the rules in force (``holdRule: rules``, the default): however
     a holder went idle (a ``busy: false`` beat, a park for a tool call or a person's turn, a
     handback between two requests, a park for good), whatever its role and the waiter's, the waiter
-    is granted no later than the idle time reaches what re-prefilling every context still in use
-    but the waiter's would cost: the holder's (not where it parked for good: it is done with it)
-    and another waiter's behind, at the server's rate, timed to the millisecond, not to the
-    sweep's next tick.  Where that is nothing, at once.  Ski rental against the dearest switch; the
-    rules hand over sooner where they know more."""
+    is granted no later than the idle time reaches what the dearest switch would cost
+    (``worst_switch``): of the contexts still in use but the waiter's (the holder's, not where it
+    parked for good: it is done with it; another waiter's behind), the largest, until they fill
+    the room the switch makes, at the server's rate, timed to the millisecond, not to the sweep's
+    next tick.  Where that is nothing, at once.  Ski rental against the dearest switch; the rules
+    hand over sooner where they know more.  A holder that never reported its context (``tokens``
+    None: it took the slot and made no request) and parked for good is bounded so too, where
+    others did (one still in use is not: its size is not known, and the rules alone decide)."""
+    assume(tokens is not None or how == "done" and (other or waiter_tokens is not None))
     config, errors, _ = lq.validate_config({"defaults": {"switchCost": switch}})
     assert errors == []
     s = lq.Scheduler(lq.Addressing(config))
     assert _granted_to(s.acquire("h", K, "H", role, activity=True, now=0.0), "H")
-    s.usage(K, "H", tokens, 0, True, tokens * ms_per_token if tokens else None, now=0.0)
+    sizes: Dict[str, int] = {}
+    if tokens is not None:
+        s.usage(K, "H", tokens, 0, True, tokens * ms_per_token if tokens else None, now=0.0)
+        sizes["H"] = tokens
     if other:
         s.usage(K, "O", other, 0, True, other * ms_per_token, now=0.0)
+        sizes["O"] = other
+    if waiter_tokens is not None:
+        s.usage(K, "W", waiter_tokens, 0, True, waiter_tokens * ms_per_token, now=0.0)
+        sizes["W"] = waiter_tokens
     idle_at = 10.0
     if how == "busy":
         assert s.beat(K, "H", now=idle_at, busy=False)
@@ -231,15 +282,16 @@ def test_under_the_default_rules_an_idle_slot_goes_once_it_idled_what_a_switch_c
     else:
         assert s.park(K, "H", now=idle_at, gap=how == "gap", turn=how == "turn")[0]
     came = idle_at + waiter_after
-    in_use = 0 if how == "done" else tokens
+    in_use = [] if how == "done" or tokens is None else ["H"]
     now = came
     granted = _granted_to(s.acquire("w", K, "W", waiter_role, activity=True, now=came), "W")
     if granted:  # at once (the rules' own hand-over, or nothing in use to lose)
         return
     if other:
         s.acquire("o", K, "O", waiter_role, activity=True, now=came)  # behind W: its context in use
-        in_use += other
-    bound = came + in_use * ms_per_token  # the waiters count idle time from the first one's arrival
+        in_use.append("O")
+    # the waiters count idle time from the first one's arrival
+    bound = came + worst_switch(sizes, "H", "W", in_use) * ms_per_token
     while not granted:
         due = s.next_exact()
         assert due is not None and due <= bound + 1e-6, (due, bound)
@@ -253,7 +305,8 @@ def test_under_the_default_rules_an_idle_slot_goes_once_it_idled_what_a_switch_c
 def test_a_queue_left_over_capacity_drains_its_idle_holders_by_the_bound_too() -> None:
     """A reload lowers ``maxStreams`` from 2 to 1 while A and B hold, both idle, and W waits.  No
     stream is preempted, but an idle slot is no stream: each goes once it has idled what a switch
-    could cost at worst (A's 1,000 tokens and B's 3,000 at 1 ms), so W is granted when the later
+    could cost at worst (W never reported, so it counts as the largest context seen, B's 3,000
+    tokens: room for it pushes out B's at most, at 1 ms a token), so W is granted when the later
     of them has, not when both happen to release.  (Before, W waited for both to end their runs.)"""
     def addressing(streams: int) -> lq.Addressing:
         config, errors, _ = lq.validate_config({"defaults": {"maxStreams": streams, "switchCost": "dear"}})
@@ -267,7 +320,7 @@ def test_a_queue_left_over_capacity_drains_its_idle_holders_by_the_bound_too() -
         assert s.beat(K, who, now=10.0, busy=False)
     s.reconfigure(addressing(1), now=20.0)
     assert not _granted_to(s.acquire("w", K, "W", "child", activity=True, now=30.0), "W")
-    bound = 30.0 + 4000.0  # both contexts in use, each holder's bound alike
+    bound = 30.0 + 3000.0  # each holder's bound alike: B's context, the largest in use
     now = 30.0
     granted = False
     while not granted:
@@ -407,8 +460,9 @@ def test_a_park_decided_before_a_request_began_never_reaches_the_daemon_after_it
 
 def test_through_the_socket_a_queue_left_over_capacity_drains_its_idle_holders_by_the_bound() -> None:
     """A reload lowers ``maxStreams`` from 2 to 1 while A and B hold, idle, and C then waits.  Each
-    idle holder goes once it has idled what a switch could cost at worst (both contexts in use:
-    2,000 tokens at 0.5 ms, 1 s), though one release alone frees no slot: C is granted then, and
+    idle holder goes once it has idled what a switch could cost at worst (C, never reported, counts
+    as the largest context seen, and room for it pushes out one context in use: 2,000 tokens at
+    0.5 ms, 1 s), though one release alone frees no slot: C is granted then, and
     not at the 30 s idle-yield (neither A nor B ever releases)."""
     log = os.path.join(short_tmpdir(), "events.log")
     defaults = {"logFile": log, "daemonIdleExitMs": 10**9}
@@ -416,8 +470,8 @@ def test_through_the_socket_a_queue_left_over_capacity_drains_its_idle_holders_b
         peers = {"A": d.peer(), "B": d.peer()}
         for who, p in peers.items():
             assert p.ask(dict(acquire(who), role="child"))["op"] == "granted"
-            assert p.ask({"op": "usage", "queueKey": K, "sessionKey": who, "prefilled": 1000, "reused": 0,
-                          "prefillMs": 500})["op"] == "ok"
+            assert p.ask({"op": "usage", "queueKey": K, "sessionKey": who, "prefilled": 2000, "reused": 0,
+                          "prefillMs": 1000})["op"] == "ok"
             assert p.ask(busy(who, False))["busy"] is False
         d.write_config({"defaults": dict(defaults, maxStreams=1)})
         wait_for(lambda: d.queue(K)["maxStreams"] == 1, 10.0)
@@ -819,6 +873,38 @@ def test_under_the_cost_rule_a_persons_measured_thoughts_decide_at_once_when_the
     assert granted(s.sweep(now=due)) == ["W"]
 
 
+@pytest.mark.parametrize("prefill_ms,at_once", [(50.0, True), (1000.0, False)])
+def test_a_tool_call_timed_longer_than_the_switch_hands_the_slot_over_at_once(prefill_ms: float, at_once: bool) -> None:
+    """Under the default rules, with switches dear (the rules alone would keep the slot through
+    the gap): subagent A's tool calls took 300 ms three times, so when it is between two requests
+    again and W waits, keeping costs about 300 ms of idle.  Where a switch costs less (A's
+    1,000-token context at 50 ms), the slot goes to W at once: at least half of A's gaps would
+    have outlasted the switch anyway.  Where it costs more (1 s), it is kept, and goes once the
+    idle spent reaches the switch's cost, as ever."""
+    config, errors, _ = lq.validate_config({"defaults": {"switchCost": "dear"}})
+    assert errors == []
+    s = lq.Scheduler(lq.Addressing(config))
+    assert granted(s.acquire("a", K, "A", "child", activity=True, now=0.0)) == ["A"]
+    s.usage(K, "A", 1000, 0, True, prefill_ms, now=0.0)
+    t = 100.0
+    for _ in range(3):  # a request's end, a 300 ms tool call, the next request
+        assert s.handback(K, "A", now=t)[0]
+        assert s.beat(K, "A", now=t + 300, busy=True)
+        t += 400
+    assert s.handback(K, "A", now=t)[0]
+    events = s.acquire("w", K, "W", "child", activity=True, now=t + 10)
+    if at_once:
+        assert granted(events) == ["W"]
+        return
+    assert granted(events) == []
+    (hold,) = [c for _, c in s.holds(s._queues[K], t + 10)]
+    assert hold.ahead == "gap" and hold.ahead_ms == pytest.approx(290.0) and not hold.hand_over
+    assert hold.fields()["gapAheadMs"] == 290 and "thinkAheadMs" not in hold.fields()
+    assert "its tool calls usually last about 0.3 s more" in hold.explain()
+    assert not granted(s.sweep(now=t + 10 + 999))
+    assert granted(s.sweep(now=t + 10 + 1000)) == ["W"]
+
+
 def test_status_and_the_log_show_a_thinking_persons_wait_through_the_socket() -> None:
     """A subagent's request took about 0.3 s; then a person's parent (a 2,000-token context, 1 s to
     re-prefill) ends its turn and a subagent waits: ``status`` and the hand-over's log line carry
@@ -874,6 +960,37 @@ def test_status_and_the_log_show_a_persons_measured_thought_through_the_socket()
         (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
                                        if e["event"] == "release" and e["sessionKey"] == "P"])
         assert release["rule"] == "hand over" and "thinkAheadMs" in release, release
+
+
+def test_status_and_the_log_show_a_timed_tool_call_through_the_socket() -> None:
+    """Subagent A's tool calls took about 0.2 s three times (the daemon timed them, from each
+    handback to the next request).  Between two requests again, with W waiting and a switch
+    dearer (1 s), ``status`` shows what is left of the tool call as they usually go, beside the
+    switch's price, and the hand-over's log line carries it."""
+    log = os.path.join(short_tmpdir(), "events.log")
+    for d in started(config={"defaults": {"logFile": log, "switchCost": "dear"}}):
+        a, w = d.peer(), d.peer()
+        assert a.ask(dict(acquire("A"), role="child"))["op"] == "granted"
+        assert a.ask({"op": "usage", "queueKey": K, "sessionKey": "A", "prefilled": 1000, "reused": 0,
+                      "prefillMs": 1000})["op"] == "ok"
+        handback = {"op": "renew", "queueKey": K, "sessionKey": "A", "handback": True}
+        for _ in range(3):
+            assert a.ask(handback)["op"] == "ok"
+            time.sleep(0.2)  # the tool call
+            assert a.ask(busy("A", True))["granted"] is True
+        assert a.ask(handback)["op"] == "ok"
+        w.send({"op": "acquire", "queueKey": K, "sessionKey": "W", "role": "child", "activity": True})
+        wait_for(lambda: d.waiting(K) == ["W"])
+        (hold,) = d.queue(K)["holds"]
+        assert hold["rule"] == "keep" and hold["switchMs"] == 1000, hold
+        # the tool calls (0.2 s, more on a loaded machine), less the moment since this one began
+        assert isinstance(hold["gapAheadMs"], int) and hold["gapAheadMs"] <= 1000, hold
+        assert "its tool calls usually last about" in hold["explain"], hold
+        assert w.recv(10.0)["op"] == "granted"
+        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
+                                       if e["event"] == "release" and e["sessionKey"] == "A"])
+        assert release["rule"] == "hand over" and "gapAheadMs" in release, release
+        assert release["waitedMs"] >= 1000
 
 
 @pytest.mark.parametrize("sweep_ms", [20, 10_000])

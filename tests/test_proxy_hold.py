@@ -15,8 +15,8 @@ said, unless the queue knows that a switch re-prefills there (``switchCost: dear
 parent holder keeps its window from a parent too.
 
 Those windows are the rules in force.  The cost rule bounds them: a slot someone waits for is
-kept no longer than a switch could cost at worst (re-prefilling every context still in use, at the
-server's own rate).  So the stub says here that each agent's context is 40k tokens (50 s to
+kept no longer than a switch could cost at worst (re-prefilling the largest contexts still in use
+that fill the room it makes, at the server's own rate).  So the stub says here that each agent's context is 40k tokens (50 s to
 prefill again at its rate), far past any window; with its usual 40 tokens the slot goes at 50 ms.
 """
 
