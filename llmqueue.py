@@ -42,7 +42,7 @@ from json.encoder import encode_basestring_ascii as _json_str  # the C string en
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # for the checker only: the daemon starts without typing (and argparse)
     import argparse
-    from typing import (IO, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple,
+    from typing import (IO, Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple,
                         Union)
 else:
     class _NamedTupleMeta(type):
@@ -1468,6 +1468,12 @@ def _tokens(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
 
 
+def _median(values: Iterable[float]) -> float:
+    """The middle of ``values`` (of an even count, the upper of the two); not empty."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 def kept_chance(tokens: float, room: int, cap: Optional[int]) -> float:
     """The chance that a server seen to keep ``room`` tokens of contexts keeps ``tokens``.  Up to
     the room it surely does.  Past it, until the server was seen to lose a context (``cap`` None),
@@ -1534,8 +1540,7 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
     else:
         cap = affinity.room_cap
         recent = list(itertools.islice(reversed(prompts), MAX_DEPTH))
-        sizes = sorted(prompts[s] for s in recent)
-        first = prompts.get(waiter, sizes[len(sizes) // 2]) if waiter is not None else 0
+        first = prompts.get(waiter, _median(prompts[s] for s in recent)) if waiter is not None else 0
         tokens, before, newer = 0.0, 0, waiter is not None
         for session in recent:  # the latest first
             if session == waiter:
@@ -2796,20 +2801,18 @@ class Scheduler:
             # a person thinks: handed over, they come back to a subagent's request in flight, and
             # wait for it (a subagent yields to them at its next request's end); unless they take
             # a spare stream beside it then (their session asks for one, and one is free)
-            times = sorted(q.requests[CHILD] or q.requests[PARENT])
+            times = q.requests[CHILD] or q.requests[PARENT]
             if times:
-                cost = cost._replace(behind_ms=times[len(times) // 2])
+                cost = cost._replace(behind_ms=_median(times))
         thinking = q.thinking.get(holder.session)
         if holder.turn and thinking is not None and q.thinks:
             # a person whose thoughts were measured: keeping costs the server what is left of this
             # one, as they usually go (``HoldCost.ahead_ms``)
-            thoughts = sorted(q.thinks)
-            cost = cost._replace(ahead_ms=thoughts[len(thoughts) // 2] - (now - thinking))
+            cost = cost._replace(ahead_ms=_median(q.thinks) - (now - thinking))
         elif not holder.turn and not done and q.gaps:
             # between two requests, its tool call timed as the queue's recent ones go: keeping
             # costs the server what is left of it (``HoldCost.ahead_ms``)
-            gaps = sorted(q.gaps)
-            cost = cost._replace(ahead_ms=gaps[len(gaps) // 2] - (now - since), ahead="gap")
+            cost = cost._replace(ahead_ms=_median(q.gaps) - (now - since), ahead="gap")
         return cost._replace(before_ms=holder.rent_ms)
 
     def holds(self, q: _Queue, now: float) -> list[tuple[Holder, HoldCost]]:
@@ -4757,11 +4760,7 @@ class Client:
                         if lease.queued:
                             lease.lost = True
                             self._lost_now(lease)
-                waiting = self._beats.get(key)
-                if waiting:
-                    waiting.pop(0).resolve(reply)
-                    if not waiting:
-                        del self._beats[key]
+                self._answer_beat(key, reply)
             elif op == "status":
                 if self._statuses:
                     self._statuses.pop(0).resolve(reply)
@@ -4781,13 +4780,16 @@ class Client:
                     for park in self._when_cheap.pop(key[0], {}).values():
                         self.call_later(0.0, park)
             elif op == "error" and reply.get("request") == "renew":
-                # a keyed renew refused (a client's bug): it answers that beat, not the next one
-                waiting = self._beats.get(key)
-                if waiting:
-                    waiting.pop(0).resolve(reply)
-                    if not waiting:
-                        del self._beats[key]
+                self._answer_beat(key, reply)  # a keyed renew refused (a client's bug): that one's
             # anything else (a release's ok, a bare renew's ok, another error) has nobody waiting
+
+    def _answer_beat(self, key: tuple[str, str], reply: dict[str, Any]) -> None:
+        """A reply to a keyed renew answers the session's oldest beat still waiting (under ``_cv``)."""
+        waiting = self._beats.get(key)
+        if waiting:
+            waiting.pop(0).resolve(reply)
+            if not waiting:
+                del self._beats[key]
 
     def _connection_lost(self, sock: socket.socket, generation: int) -> None:
         """The daemon is gone: whoever waits is released, and every held slot is lost (the next

@@ -198,6 +198,13 @@ def test_the_rule_never_keeps_an_idle_slot_past_its_switch_cost(tokens: int, ms_
         assert cost.hand_over
 
 
+def release_of(log: str, session: str) -> Dict[str, Any]:
+    """The one ``release`` line of ``session`` in the event log, once it is written."""
+    (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
+                                   if e["event"] == "release" and e["sessionKey"] == session])
+    return dict(release)
+
+
 def _granted_to(events: List[Any], session: str) -> bool:
     return any(isinstance(e, lq.Granted) and e.holder.session == session for e in events)
 
@@ -384,8 +391,7 @@ def test_status_and_the_log_show_both_sides_for_an_idle_holder_that_someone_wait
         assert b.recv(10.0)["op"] == "granted"  # once A's idle time reached the switch's cost
         assert time.monotonic() - came >= 1.0 - 0.05
         assert d.holders(K) == ["B"]
-        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
-                                       if e["event"] == "release" and e["sessionKey"] == "A"])
+        release = release_of(log, "A")
         assert release["reason"] == "idle" and release["rule"] == "hand over"
         assert (release["switchTokens"], release["switchMs"]) == (2000, 1000) and release["idleMs"] >= 1000
         (dead,) = wait_for(lambda: [e for e in lq.read_event_log([log]) if e["event"] == "dead"])
@@ -500,8 +506,7 @@ def test_a_hand_over_in_the_log_carries_the_rule_at_that_moment() -> None:
         wait_for(lambda: d.waiting(K) == ["B"])
         a.send({"op": "renew", "queueKey": K, "sessionKey": "A", "parked": True})  # waits on another agent
         assert b.recv(5.0)["op"] == "granted"
-        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
-                                       if e["event"] == "release" and e["sessionKey"] == "A"])
+        release = release_of(log, "A")
         assert release["reason"] == "parked"
         assert (release["switchTokens"], release["switchMs"], release["rule"]) == (0, 0, "hand over")
 
@@ -927,8 +932,7 @@ def test_status_and_the_log_show_a_thinking_persons_wait_through_the_socket() ->
         assert 250 <= hold["personWaitMs"] <= 3000, hold  # the subagent's request, as the daemon timed it
         assert "a person would wait about" in hold["explain"], hold
         assert w.recv(10.0)["op"] == "granted"  # idle past the switch and the person's wait
-        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
-                                       if e["event"] == "release" and e["sessionKey"] == "P"])
+        release = release_of(log, "P")
         assert release["rule"] == "hand over" and release["personWaitMs"] == hold["personWaitMs"]
         assert release["waitedMs"] >= 1000 + release["personWaitMs"]
 
@@ -957,8 +961,7 @@ def test_status_and_the_log_show_a_persons_measured_thought_through_the_socket()
         assert isinstance(hold["thinkAheadMs"], int) and hold["thinkAheadMs"] <= 2000, hold
         assert "thinks about" in hold["explain"] and "as they usually do" in hold["explain"], hold
         assert w.recv(10.0)["op"] == "granted"
-        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
-                                       if e["event"] == "release" and e["sessionKey"] == "P"])
+        release = release_of(log, "P")
         assert release["rule"] == "hand over" and "thinkAheadMs" in release, release
 
 
@@ -987,8 +990,7 @@ def test_status_and_the_log_show_a_timed_tool_call_through_the_socket() -> None:
         assert isinstance(hold["gapAheadMs"], int) and hold["gapAheadMs"] <= 1000, hold
         assert "its tool calls usually last about" in hold["explain"], hold
         assert w.recv(10.0)["op"] == "granted"
-        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
-                                       if e["event"] == "release" and e["sessionKey"] == "A"])
+        release = release_of(log, "A")
         assert release["rule"] == "hand over" and "gapAheadMs" in release, release
         assert release["waitedMs"] >= 1000
 
@@ -1014,8 +1016,7 @@ def test_through_the_socket_a_cost_rule_queue_hands_an_idle_slot_over_once_the_s
         assert reply["op"] == "granted" and reply["sessionKey"] == "B"
         assert 0.5 <= waited < 0.6 + 3.0, waited  # not at the sweep's next tick, up to 10 s on
         assert a.ask({"op": "renew", "queueKey": K, "sessionKey": "A"})["granted"] is False  # A learns it
-        (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
-                                       if e["event"] == "release" and e["sessionKey"] == "A"])
+        release = release_of(log, "A")
         assert release["reason"] == "idle" and release["rule"] == "hand over" and release["switchMs"] == 600
 
 
