@@ -106,6 +106,25 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 import llmqueue  # noqa: E402
 
+_LIBRARIES: Dict[str, Any] = {}
+
+
+def library() -> Any:
+    """The llmqueue module the run's ``Client`` comes from: ``MODULE``'s, so an ``ACCESS@old`` run
+    uses the earlier library as well as its daemon and proxy (old against new, client side too)."""
+    if os.path.samefile(MODULE, llmqueue.__file__):
+        return llmqueue
+    lib = _LIBRARIES.get(MODULE)
+    if lib is None:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(f"llmqueue_earlier_{len(_LIBRARIES)}", MODULE)
+        assert spec is not None and spec.loader is not None
+        lib = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = lib  # its NamedTuples and dataclasses look their module up
+        spec.loader.exec_module(lib)
+        _LIBRARIES[MODULE] = lib
+    return lib
+
 now = time.time  # wall clock: the daemon's event log is in wall time, and so is every figure here
 
 # =================================================================================================
@@ -386,7 +405,7 @@ class ClientAccess(Access):
         self.grace_ms = grace_ms
         # As a careful user would: llama.cpp's slot files at a switch (off by itself where the
         # server has none, after one look).
-        self.slots = llmqueue.SlotStore(self.upstream) if slot_files else None
+        self.slots = sys.modules[type(client).__module__].SlotStore(self.upstream) if slot_files else None
         self.sessions: Dict[str, llmqueue.Session] = {}
         self.lock = threading.Lock()
 
@@ -864,7 +883,7 @@ class Queue:
             # A daemon that served agents on this server before, and exited: what it learned of
             # switch costs is in the agent dir's state file when the run's own daemon starts.
             earlier = self._start_daemon(env)
-            client = llmqueue.Client(self.dir, fail_open=False)
+            client = library().Client(self.dir, fail_open=False)
             try:
                 # on the queue the run uses: the proxy's is its upstream, the server's root
                 access = ClientAccess(upstream, client, queue_key=server_root(upstream) if proxy else None)
@@ -1014,7 +1033,7 @@ def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: 
              background: bool = True, keep_log: Optional[str] = None) -> Dict[str, Any]:
     """One run of ``pattern`` through ``access_name`` against ``upstream``: its figures.
     ``keep_log``: copy the daemon's event log there (for ``llmqueue report``).  ``ACCESS@old``: the
-    daemon (and proxy) run from ``OLD_MODULE`` (old against new, in one table, in one run)."""
+    daemon, proxy and ``Client`` run from ``OLD_MODULE`` (old against new, in one table, in one run)."""
     global MODULE
     name, _, which = access_name.partition("@")
     if which:
@@ -1045,7 +1064,7 @@ def run_once(pattern: str, access_name: str, upstream: str, wl: Workload, salt: 
         if queue is None:
             access = Access(upstream)
         elif access_name in ("client", "client-warm", "client-again"):
-            client = llmqueue.Client(queue.dir, fail_open=False)
+            client = library().Client(queue.dir, fail_open=False)
             access = ClientAccess(upstream, client)
         else:
             assert queue.proxy_url is not None
@@ -1245,7 +1264,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "December 2026, when no response said that the agent's turn was over")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--old", metavar="PATH", help="an earlier llmqueue.py: an access named ACCESS@old runs its "
-                                                  "daemon and proxy from it (e.g. client-cost@old)")
+                                                  "daemon, proxy and Client from it (e.g. client-cost@old)")
     ap.add_argument("--mid", metavar="PATH", help="a second earlier llmqueue.py (a step between --old and "
                                                   "this one): an access named ACCESS@mid runs from it")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",

@@ -104,8 +104,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="comma list of bench/agents.py accesses (default: none,client,client-cost)")
     ap.add_argument("--only", help="comma list of workload names (default: the whole family)")
     ap.add_argument("--salt", default="fam")
-    ap.add_argument("--old", help="an earlier llmqueue.py: an access named ACCESS@old runs its daemon and proxy "
-                                  "from it (old against new, in one table, in one run)")
+    ap.add_argument("--old", help="an earlier llmqueue.py: an access named ACCESS@old runs its daemon, proxy and "
+                                  "Client from it (old against new, in one table, in one run)")
     ap.add_argument("--mid", help="a second earlier llmqueue.py (a step between --old and this one), for the "
                                   "accesses named ACCESS@mid")
     ap.add_argument("--pattern", choices=("delegate", "interactive"), default="delegate",
