@@ -562,8 +562,9 @@ def encode_state(kept: dict[str, list[float]], at: dict[str, float], depths: Opt
                  rooms: Optional[Rooms] = None) -> bytes:
     """The agent dir's state file: per queue, its latest returns' kept shares and when the
     last of them came (epoch seconds), and (additive) each return's depth, the number of
-    contexts the server was found to keep, and the tokens it keeps (``room``, at least;
-    ``roomCap``, fewer than)."""
+    contexts the server was found to keep, and the tokens its host cache keeps beside the slot's
+    context (``hostRoom``, at least; ``hostRoomCap``, fewer than; an older daemon's ``room`` and
+    ``roomCap`` counted the slot's too, and are not read)."""
     queues: dict[str, dict[str, Any]] = {}
     for key, shares in kept.items():
         entry: dict[str, Any] = {"kept": [round(k, 4) for k in shares], "at": round(at.get(key, 0.0), 3)}
@@ -574,9 +575,9 @@ def encode_state(kept: dict[str, list[float]], at: dict[str, float], depths: Opt
             entry["contexts"] = contexts
         room, cap = (rooms or {}).get(key, (None, None))
         if room is not None:
-            entry["room"] = room
+            entry["hostRoom"] = room
         if cap is not None:
-            entry["roomCap"] = cap
+            entry["hostRoomCap"] = cap
         queues[key] = entry
     return json.dumps({"version": 1, "affinity": queues}, sort_keys=True).encode() + b"\n"
 
@@ -619,7 +620,7 @@ def decode_state(raw: bytes, wall: float) -> tuple[dict[str, list[float]], dict[
 
 
 def decode_rooms(raw: bytes, wall: float) -> Rooms:
-    """The state file's ``room`` and ``roomCap`` per queue (``encode_state``), for the queues
+    """The state file's ``hostRoom`` and ``hostRoomCap`` per queue (``encode_state``), for the queues
     ``decode_state`` takes; anything malformed is left out."""
     kept, _, _ = decode_state(raw, wall)
     rooms: Rooms = {}
@@ -627,7 +628,7 @@ def decode_rooms(raw: bytes, wall: float) -> Rooms:
         queues = _DECODER.decode(raw.decode("utf-8")).get("affinity")
         for key, entry in queues.items():
             if normalize_url(key) in kept and isinstance(entry, dict):
-                room, cap = _count(entry.get("room")), _count(entry.get("roomCap"))
+                room, cap = _count(entry.get("hostRoom")), _count(entry.get("hostRoomCap"))
                 if (room, cap) != (None, None) and (room is None or cap is None or room < cap):
                     rooms[normalize_url(key)] = (room, cap)
     except (ValueError, UnicodeDecodeError, RecursionError, AttributeError):
@@ -911,13 +912,16 @@ class LeaseTerms(NamedTuple):
 #     someone waits for keeps its slot while the server's time it idled so (its idle spells over
 #     its tenure, once however many wait) is below what a switch costs, and hands it over then: at
 #     most twice the hindsight's best (ski rental).  A switch costs the re-prefill, at the server's
-#     measured rate, of the contexts still in use that the waiter's run pushes out of what the
-#     server keeps (learned in tokens from the returns; each by its chance), the waiter's own
-#     when the holder's return pushes it out in turn, and, for a person between turns, the wait
-#     behind a subagent's request they would come back to.  Where such idle was timed before (a
-#     person's thoughts; the queue's tool calls between two requests) and what is left of this
-#     one, as they usually go (the median), is longer than the switch, it goes at once: then at
-#     least half of them would have been handed over anyway, and the idle is saved.
+#     measured rate, of the contexts still in use that the runs before the holder's return push
+#     out of what the server keeps (the slot holds the latest context whole; its host cache, of a
+#     size in tokens learned from the returns, the others: each by its chance), and, for a person
+#     between turns, the wait behind a subagent's request they would come back to.  While no
+#     return has told what the server keeps, the idle the queue spends so adds up across holders:
+#     once it reaches one switch's cost the switch is made, and the returns that follow tell.
+#     Where such idle was timed before (a person's thoughts; the queue's tool calls between two
+#     requests) and what is left of this one, as they usually go (the median), is longer than the
+#     switch, it goes at once: then at least half of them would have been handed over anyway, and
+#     the idle is saved.
 #     Nothing known of the contexts' sizes: kept, to the idle-yield.  It decides where
 #     ``holdRule`` is ``cost``.  Elsewhere (the default) the rules below decide, and it bounds
 #     them at the most a switch can cost: a switch makes room for the larger of the two contexts
@@ -1245,8 +1249,9 @@ class _Affinity:
         self.prober: Optional[str] = None  # the session that gave way then: its return tells
         # the server's prefill, as it timed it: (tokens, ms) of the latest reports that said both
         self.rates: deque[tuple[int, float]] = deque(maxlen=RATE_SAMPLES)
-        # What the server keeps, in tokens, as the returns show it (``learn_room``): at least
-        # ``room`` (None: no return was kept yet), fewer than ``room_cap`` (None: none evicted).
+        # What the server keeps beside its slot's context (the latest), in tokens, as the returns
+        # show it (``learn_room``): at least ``room`` (None: no return was kept yet), fewer than
+        # ``room_cap`` (None: none evicted).
         self.room: Optional[int] = None
         self.room_cap: Optional[int] = None
         # the most a conversation's prompt grew from one request to its next (its reply and
@@ -1254,8 +1259,9 @@ class _Affinity:
         self.growth = 0
 
     def learn_room(self, tokens: int, kept: bool) -> None:
-        """A return after a switch: the session's context and every other one reported since came
-        to ``tokens`` in all, and the server kept it (it keeps at least that many) or not (fewer).
+        """A return after a switch: the session's context and every other one reported since but
+        the latest (in the slot) came to ``tokens`` in all, and the server kept it (it keeps at
+        least that many beside the slot's) or not (fewer).
         Where the two bounds disagree, the later return wins: contexts grow, and a server's cache
         is shared with what the queue does not see."""
         if kept:
@@ -1314,7 +1320,8 @@ class _Affinity:
             self.floor = contexts_floor([kept], [depth], self.contexts, self.floor)
             self.returns += 1
             if others is not None and whole:
-                self.learn_room(before + others, kept >= KEPT_CHEAP)
+                # the context that ran last is in the slot: the host cache held the rest
+                self.learn_room(before + others - self.prompts[self.last], kept >= KEPT_CHEAP)
         if before and whole and prefilled + reused > before:
             self.growth = max(self.growth, prefilled + reused - before)
         self.prompts[session] = prefilled + reused
@@ -1372,10 +1379,15 @@ class HoldCost(NamedTuple):
     keeping it costs the server's time: ``idle_ms``, the slot's idle time while someone waited,
     plus ``before_ms``, what the holder's earlier idle spells of the same tenure cost so (the rent
     is paid across gaps: a holder whose every tool call is shorter than the switch's cost keeps a
-    waiter out no longer than that cost in all).  Both sides are seconds of the one server, and
-    each delays everyone queued behind it alike, so an idle second counts once however many wait
-    (counted per waiter, five waiting would spend a switch's price five times as fast, and six
-    subagents hand the slot round a room too small for them).  The rule (ski rental): hand over
+    waiter out no longer than that cost in all).  While nothing is known of what the server keeps
+    (no return after a switch told it), ``before_ms`` is the queue's: every holder's idle while
+    someone waited since the queue began, so the rent adds up across tenures until one switch is
+    bought, whose return tells; without it, holders whose tenures each idle less than a switch
+    would keep every slot through every gap and never find out that switches were free.  Both
+    sides are seconds of the one server, and each delays everyone queued behind it alike, so an
+    idle second counts once however many wait (counted per waiter, five waiting would spend a
+    switch's price five times as fast, and six subagents hand the slot round a room too small for
+    them).  The rule (ski rental): hand over
     once the idle time spent reaches the switch's cost, and at once where the switch is free.
     Whatever the gaps, that spends at most twice what the best choice in hindsight would have.
     ``switch_ms`` None: nothing is known of the contexts' sizes (no usage reported), and the
@@ -1443,7 +1455,7 @@ class HoldCost(NamedTuple):
         """The two sides, in a person's words."""
         idle = f"idle {self.idle_ms / 1000:.1f} s so far"
         if self.before_ms:
-            idle += f", {self.before_ms / 1000:.1f} s more in its earlier gaps"
+            idle += f", {self.before_ms / 1000:.1f} s more in earlier gaps"
         if self.switch_ms is None:
             return f"keeping: {self.why}; {idle}"
         if self.ahead_ms is not None and self.ahead == "gap":
@@ -1488,14 +1500,19 @@ def kept_chance(tokens: float, room: int, cap: Optional[int]) -> float:
 
 
 def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: Optional[str],
-              in_use: Callable[[str], bool], idle_ms: float) -> HoldCost:
+              in_use: Callable[[str], bool], idle_ms: float, then: Sequence[str] = ()) -> HoldCost:
     """What handing ``holder``'s idle slot to ``waiter`` costs (``HoldCost``), from the queue's
     switch record: each session's context size (its last prompt), what the server keeps, in
     tokens, as the returns showed it (``_Affinity.room`` and ``room_cap``), and its prefill rate.
-    The server keeps the most recently used contexts that fit (LRU); the waiter's run brings its
-    context to the front (one never seen counts as the median context), which pushes out each
-    context whose tokens, with all the more recent ones, no longer fit.  Each needed context is
-    priced at its re-prefill times the chance that the switch pushes it out (``kept_chance``
+    The server keeps the latest context whole in its slot, and the others in a host cache of so
+    many tokens, the most recently used that fit (llama-server's ``--cache-ram``; the simulator's
+    host cache): a run takes its context out of the cache into the slot, and puts the slot's in
+    front.  The waiter's run, then those of ``then`` (who else runs before the holder is back: it
+    queues behind them), put the holder's context in front and then theirs (one never seen counts
+    as the median context); a context behind them is pushed out once it, the ones ahead of it and
+    the larger of the two in front no longer fit, and the holder's once it and those after the
+    waiter's do not.  Each needed context is priced at its re-prefill times the chance that the
+    switch pushes it out (``kept_chance``
     before, less after), so a room known only as a lower bound prices a little growth past it a
     little, not as a whole eviction.  ``in_use``: whether a session's context will be needed
     again.  ``setting``: the queue's ``switchCost``, where a person said it (``cheap``: free;
@@ -1539,26 +1556,30 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
                "what the server keeps is not known yet: the holder's context is assumed pushed out")
     else:
         cap = affinity.room_cap
-        recent = list(itertools.islice(reversed(prompts), MAX_DEPTH))
-        first = prompts.get(waiter, _median(prompts[s] for s in recent)) if waiter is not None else 0
-        tokens, before, newer = 0.0, 0, waiter is not None
-        for session in recent:  # the latest first
-            if session == waiter:
-                newer = False  # from here on, the waiter's context was counted already
-                before += prompts[session]
-                continue
-            before += prompts[session]
-            if newer and in_use(session):
-                chance = max(0.0, kept_chance(before, room, cap) - kept_chance(before + first, room, cap))
-                tokens += prompts[session] * chance
-                if session == holder:
-                    # the round trip: the holder, back and re-prefilled, pushes the waiter's out
-                    # in turn (the same two contexts that did not fit), and the waiter needs it
-                    tokens += first * chance
+        recent = list(itertools.islice(reversed(prompts), MAX_DEPTH))  # the latest first: in the slot
+        median = _median(prompts[s] for s in recent)
+        first = prompts.get(waiter, median) if waiter is not None else 0
+        slot = recent[0]  # the holder's, as a rule: the context that ran last
+        incoming = [first] + [prompts.get(s, median) for s in then]
+        lead, larger, held = sum(incoming[:-1]), max(prompts[slot], incoming[-1]), prompts[slot]
+        tokens = held * (1.0 - kept_chance(lead + held, room, cap)) if in_use(slot) else 0.0
+        turn = {s: i for i, s in enumerate(then)}  # each runs after the waiter and those before it
+        ahead = staying = 0  # the cache's entries ahead of this one: all; those that do not run
+        for session in recent[1:]:
+            size = prompts[session]
+            if session != waiter and in_use(session):
+                # in front of it at the worst: the holder's and the earlier runs' (one in the slot)
+                i = turn.get(session)
+                front = lead + larger if i is None else held + sum(incoming[:i])
+                chance = kept_chance(ahead + size, room, cap) - kept_chance(front + staying + size, room, cap)
+                tokens += size * max(0.0, chance)
+            ahead += size
+            if session != waiter and session not in turn:
+                staying += size
         bound = f" and lost {_tokens(cap)}" if cap is not None else ""
-        why = (f"the server was seen to keep {_tokens(room)} tokens of contexts{bound}: the contexts "
-               f"still in use that the waiter's run would push out, each by its chance, and the "
-               f"waiter's when the holder comes back")
+        why = (f"the server was seen to keep {_tokens(room)} tokens of contexts beside its slot's{bound}: "
+               f"the contexts still in use that the runs before the holder's return would push out, "
+               f"each by its chance")
     return HoldCost(idle_ms, round(tokens), tokens * per_token, measured, why)
 
 
@@ -1589,7 +1610,7 @@ class _Queue:
         "key", "policy", "configured", "holders", "extra", "waiting", "heaps", "dead", "switches",
         "grants", "parent_grants", "child_mark", "idle", "parked", "queued", "idle_yields", "park_yields",
         "handback_yields", "evictions", "dead_ms", "dead_by_session", "spares", "parents", "resumers",
-        "gaps", "named_children", "away", "thinking", "thinks", "people", "requests",
+        "gaps", "named_children", "away", "thinking", "thinks", "people", "requests", "blind_ms",
     )
 
     def __init__(self, key: str, policy: QueuePolicy, configured: bool) -> None:
@@ -1616,6 +1637,9 @@ class _Queue:
         self.handback_yields = 0  # slots holders between two requests handed over (``handback``)
         self.evictions = 0
         self.dead_ms = 0.0  # held with no request in flight while someone waited (closed spells)
+        # the idle spent while someone waited as long as nothing is known of what the server
+        # keeps (``Scheduler._blind``): the rent toward one switch whose return tells
+        self.blind_ms = 0.0
         # how long its holders' requests took, latest last, per tier (a holder's busy spells):
         # what a person back from their thought waits behind one (``Scheduler._hold_cost``)
         self.requests: tuple[deque[float], deque[float]] = (deque(maxlen=REQUEST_SAMPLES),
@@ -2771,6 +2795,8 @@ class Scheduler:
             cost = self._hold_cost(q, holder, now, since)
             if cost is not None:
                 holder.rent_ms += cost.spent_ms - cost.before_ms
+                if self._blind(q):
+                    q.blind_ms += cost.idle_ms
             holder.dead_ms += dead
             q.dead_ms += dead
             q.dead_by_session[holder.session] = q.dead_by_session.pop(holder.session, 0.0) + dead
@@ -2793,9 +2819,14 @@ class Scheduler:
         done = holder.for_good  # done with its context
         if q.policy.hold_rule == "rules" and setting != "cheap":
             setting = "rules"  # the rules' bound: the most a switch can cost, whatever the room seen
+        then: list[str] = []
+        if setting == "auto" and not done:  # back, it queues behind whoever waits in its tier or above
+            then = [w.session for w in heapq.nsmallest(MAX_DEPTH, (w for w in q.waiting.values()
+                                                                   if w.role <= holder.role and w is not nxt),
+                                                       key=lambda w: (w.role, w.seq))]
         cost = hold_cost(self._affinity.get(q.key), setting, holder.session, nxt.session,
                          lambda session: q.needed(session, now) and not (done and session == holder.session),
-                         idle)
+                         idle, then)
         if holder.turn and holder.persons and nxt.role == CHILD and not (
                 holder.asks_spare and q.spare_room(leaving=True) and q.head(PARENT) is None):
             # a person thinks: handed over, they come back to a subagent's request in flight, and
@@ -2813,7 +2844,15 @@ class Scheduler:
             # between two requests, its tool call timed as the queue's recent ones go: keeping
             # costs the server what is left of it (``HoldCost.ahead_ms``)
             cost = cost._replace(ahead_ms=_median(q.gaps) - (now - since), ahead="gap")
-        return cost._replace(before_ms=holder.rent_ms)
+        return cost._replace(before_ms=max(holder.rent_ms, q.blind_ms) if self._blind(q) else holder.rent_ms)
+
+    def _blind(self, q: _Queue) -> bool:
+        """``holdRule: cost`` knows nothing yet of what the server keeps: no return after a switch
+        told it (``_Affinity.room``), nor a daemon before (the state file)."""
+        if q.policy.hold_rule != "cost" or q.policy.switch_cost != "auto":
+            return False
+        a = self._affinity.get(q.key)
+        return a is None or a.room is None and a.room_cap is None
 
     def holds(self, q: _Queue, now: float) -> list[tuple[Holder, HoldCost]]:
         """Each idle holder of ``q`` that someone waits for, with issue 33's rule for its slot."""

@@ -98,24 +98,27 @@ def test_the_servers_own_prefill_time_prices_the_switch() -> None:
 
 
 def test_where_the_server_keeps_so_many_tokens_only_contexts_in_use_that_the_waiters_run_pushes_out_count() -> None:
-    # the server keeps 6,500 tokens and lost 7,000; H (the holder) reported last, P before it, W (the
-    # waiter) long ago: H and P are kept (6,000), W is not
+    """The server keeps the latest context whole in its slot (H's, the holder's) and the others in
+    a host cache of ``room`` tokens, the most recently used first: here P (5,000) of 6,500, and not
+    W (3,000) behind it.  W's run puts H's context in front of P's (6,000: kept); H, back, puts
+    W's there (8,000): P is pushed out, which costs P's re-prefill if P is in use."""
     a = record(("W", 3000, 0), ("P", 5000, 0), ("H", 1000, 0), room=6500, cap=7000)
-    # W's run (3,000) leaves room for H only: it pushes P out, which costs P's re-prefill if P is in use
     in_use = lq.hold_cost(a, "auto", "H", "W", lambda s: s in ("H", "P"), idle_ms=0)
-    assert in_use.tokens == 5000 and "seen to keep 6.5k tokens of contexts and lost 7.0k" in in_use.why
+    assert in_use.tokens == 5000 and "seen to keep 6.5k tokens of contexts beside its slot's and lost 7.0k" in in_use.why
     done = lq.hold_cost(a, "auto", "H", "W", lambda s: s == "H", idle_ms=0)
     assert done.tokens == 0 and done.hand_over  # P is done with: nothing to re-prefill
-    # a waiter whose context is kept pushes nothing out
+    # a waiter whose context is kept pushes nothing out: P's run, and H's return, leave W as lost as it was
     assert lq.hold_cost(a, "auto", "H", "P", always, idle_ms=0).tokens == 0
-    # room for one context: the waiter's run pushes the holder's own out, and the holder, back,
-    # pushes the waiter's out in turn (the round trip)
-    one = record(("W", 3000, 0), ("H", 1000, 0), room=3500, cap=3600)
-    assert lq.hold_cost(one, "auto", "H", "W", always, idle_ms=0).tokens == 1000 + 3000
+    # a holder's context larger than the host cache is lost once it leaves the slot
+    big = record(("W", 3000, 0), ("H", 4000, 0), room=3500, cap=3600)
+    assert lq.hold_cost(big, "auto", "H", "W", always, idle_ms=0).tokens == 4000
     # room for every context in use: the switch is free
     assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=4000), "auto", "H", "W", always, 0).hand_over
-    # a waiter never seen counts as the middle of the known sizes (3,000 here): it pushes the holder out
-    assert lq.hold_cost(one, "auto", "H", "N", always, idle_ms=0).tokens == 1000 + 3000
+    # the larger of the two contexts swapped goes in front: W's (3,000) pushes P (2,000) out of
+    # 4,500; a waiter never seen counts as the middle of the known sizes (2,000), and does not
+    mid = record(("W", 3000, 0), ("P", 2000, 0), ("H", 1000, 0), room=4500, cap=4600)
+    assert lq.hold_cost(mid, "auto", "H", "W", always, idle_ms=0).tokens == 2000
+    assert lq.hold_cost(mid, "auto", "H", "N", always, idle_ms=0).tokens == 0
     # the queue's switchCost, where someone set it, stands: dear prices the holder's context
     assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=4000), "dear", "H", "W", always, 0).tokens == 1000
 
@@ -123,19 +126,18 @@ def test_where_the_server_keeps_so_many_tokens_only_contexts_in_use_that_the_wai
 def test_a_room_seen_only_as_kept_prices_growth_past_it_by_its_chance_not_as_an_eviction() -> None:
     """Contexts grow with every request, so the next switch nearly always needs a little more than
     the server was seen to keep.  Until it was seen to lose one, twice the room is kept with the
-    chance 1/2 (scale-free): P, pushed from 6,000 to 9,000 tokens back, is lost with the chance
-    1 - 6,500/9,000, and the price is that share of its re-prefill."""
+    chance 1/2 (scale-free): P, pushed from 5,000 to 8,000 tokens back, is lost with the chance
+    1 - 6,500/8,000, and the price is that share of its re-prefill."""
     a = record(("W", 3000, 0), ("P", 5000, 0), ("H", 1000, 0), room=6500)
     cost = lq.hold_cost(a, "auto", "H", "W", always, idle_ms=0)
-    assert cost.tokens == round(5000 * (1 - 6500 / 9000))
-    assert cost.switch_ms == pytest.approx(5000 * (1 - 6500 / 9000) * ASSUMED_MS)
-    # a little growth past the room: a little price (the holder's, and the waiter's on its return),
-    # where a room taken as exact priced both whole
-    grown = record(("W", 3000, 0), ("H", 1000, 0), room=3900)
-    assert lq.hold_cost(grown, "auto", "H", "W", always, 0).tokens == round((1000 + 3000) * (1 - 3900 / 4000))
+    assert cost.tokens == round(5000 * (1 - 6500 / 8000))
+    assert cost.switch_ms == pytest.approx(5000 * (1 - 6500 / 8000) * ASSUMED_MS)
+    # a little growth past the room: a little price, where a room taken as exact priced it whole
+    grown = record(("W", 3000, 0), ("H", 4000, 0), room=3900)
+    assert lq.hold_cost(grown, "auto", "H", "W", always, 0).tokens == round(4000 * (1 - 3900 / 4000))
     # once the server was seen to lose a context, nothing past the room seen is counted on
-    assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=3900, cap=8000),
-                        "auto", "H", "W", always, 0).tokens == 1000 + 3000
+    assert lq.hold_cost(record(("W", 3000, 0), ("H", 4000, 0), room=3900, cap=8000),
+                        "auto", "H", "W", always, 0).tokens == 4000
 
 
 @given(room=st.integers(1, 10**6), cap=st.one_of(st.none(), st.integers(1, 10**6)),
@@ -149,33 +151,39 @@ def test_the_chance_a_server_keeps_tokens_falls_with_them_from_sure_at_the_room(
     assert lq.kept_chance(room + 1, room, cap) == (0.0 if cap is not None else room / (room + 1))
 
 
-def test_a_switch_prices_the_round_trip_the_waiters_context_pushed_out_when_the_holder_is_back() -> None:
-    """Where the two contexts do not fit together, handing over re-prefills both: the holder's
-    when it comes back, and then the waiter's, which the holder's return pushed out.  A holder
-    done with its context (not in use) costs neither."""
-    a = record(("W", 3000, 0), ("H", 1000, 0), room=3500, cap=3600)
-    cost = lq.hold_cost(a, "auto", "H", "W", always, idle_ms=0)
-    assert cost.tokens == 4000 and "and the waiter's when the holder comes back" in cost.why
-    assert lq.hold_cost(a, "auto", "H", "W", lambda s: s != "H", idle_ms=0).tokens == 0
-    # where both fit, neither
-    assert lq.hold_cost(record(("W", 3000, 0), ("H", 1000, 0), room=4000, cap=9000),
-                        "auto", "H", "W", always, idle_ms=0).tokens == 0
+def test_a_switch_prices_every_run_before_the_holder_is_back() -> None:
+    """A holder that hands over queues again behind whoever waits (``then``): each of their runs
+    puts another context in front of its own.  H (2,500) beside W's run alone is kept in a host
+    cache of 4,000; behind W's and X's, the cache holds W's and H's and not X's, which is then
+    pushed out before its own run, and H's once X's run puts W's in front."""
+    a = record(("W", 2000, 0), ("X", 2000, 0), ("H", 2500, 0), room=4000, cap=4100)
+    assert lq.hold_cost(a, "auto", "H", "W", always, idle_ms=0, then=()).tokens == 2000  # X's, behind H's and W's
+    behind = lq.hold_cost(a, "auto", "H", "W", always, idle_ms=0, then=("X",))
+    assert behind.tokens == 2500 + 2000
+    assert "the runs before the holder's return" in behind.why
+    # a holder done with its context (not in use) costs nothing of its own
+    assert lq.hold_cost(a, "auto", "H", "W", lambda s: s != "H", idle_ms=0, then=("X",)).tokens == 2000
+    # where everything fits, nothing
+    assert lq.hold_cost(record(("W", 2000, 0), ("X", 2000, 0), ("H", 2500, 0), room=7000, cap=9000),
+                        "auto", "H", "W", always, idle_ms=0, then=("X",)).tokens == 0
 
 
 def test_what_the_server_keeps_is_learned_in_tokens_from_the_returns() -> None:
-    """A session back on the slot after others ran: its context and theirs, in tokens, were kept
-    (the server keeps at least that) or not (it keeps less).  The later of two that disagree wins."""
+    """A session back on the slot after others ran: the slot held the last of them, and its host
+    cache its context and the others' since, in tokens: kept (the cache holds at least that) or
+    not (it holds less).  The later of two that disagree wins."""
     a = record(("A", 1000, 0), ("B", 2000, 0))
     assert a.room is None and a.room_cap is None  # no return yet: nothing known
-    a.report("A", 100, 1000)  # A back, all 1,000 kept, after B's 2,000
-    assert (a.room, a.room_cap) == (3000, None)
+    a.report("A", 100, 1000)  # A back, all 1,000 kept, after B's 2,000 (in the slot)
+    assert (a.room, a.room_cap) == (1000, None)
     a.report("C", 4000, 0)
-    a.report("A", 1200, 0)  # A (1,100) back after C (4,000): evicted
-    assert (a.room, a.room_cap) == (3000, 5100)
-    a.report("B", 100, 2000)  # B (2,000) back after C (4,000) and A (now 1,200): kept
+    a.report("B", 2100, 0)  # B (2,000) back after A (1,100) and C (4,000, in the slot): evicted
+    assert (a.room, a.room_cap) == (1000, 3100)
+    a.report("D", 500, 0)
+    a.report("A", 100, 1100)  # A (1,100) back after C, B (2,100) and D (in the slot): kept
     assert (a.room, a.room_cap) == (7200, None)  # it kept more than the eviction said: that cap goes
-    a.report("A", 3500, 0)  # A (1,200) evicted after B (2,100) alone: less than the room said
-    assert (a.room, a.room_cap) == (None, 3300)
+    a.report("D", 1500, 0)  # D (500) evicted behind A (1,200, in the slot) alone: less than the room said
+    assert (a.room, a.room_cap) == (None, 500)
     # a shorter prompt is a new conversation: it tells nothing
     b = record(("A", 1000, 0), ("B", 2000, 0))
     b.report("A", 10, 0)
@@ -652,7 +660,8 @@ def test_under_the_cost_rule_a_release_that_frees_a_context_hands_the_slot_over_
     s.acquire("w", K, "W", role="child", now=100.0)
     assert granted(s.sweep(now=2100.0)) == ["W"]  # P's 2 s switch paid for by W's wait
     s.usage(K, "W", 1000, 0, prefill_ms=1000.0)
-    s._affinity_of(K).room, s._affinity_of(K).room_cap = 3000, 3500  # W and P fit; X's run pushes P out
+    # the host cache keeps P's beside W's in the slot, and not W's and P's once X's run is in the slot
+    s._affinity_of(K).room, s._affinity_of(K).room_cap = 2500, 2600
     s.beat(K, "W", now=2200.0, busy=False)
     s.acquire("x", K, "X", role="child", now=2200.0)
     ((_, hold),) = s.holds(s._queues[K], 2200.0)
@@ -778,13 +787,46 @@ def test_under_the_cost_rule_the_waiting_spent_adds_up_over_the_holders_gaps() -
     assert release.cost is not None and release.cost.before_ms == pytest.approx(600.0)
     assert release.cost.spent_ms == pytest.approx(1000.0)
     assert release.cost.fields()["waitedBeforeMs"] == 600
-    assert "0.6 s more in its earlier gaps" in release.cost.explain()
-    # the next holder's rent starts from nothing
+    assert "0.6 s more in earlier gaps" in release.cost.explain()
+    # Nothing is known yet of what the server keeps, so the rent is the queue's: A's 1 s paid for
+    # one switch, and B's slot goes at once too, to A, whose return tells.
     s.usage(K, "B", 2000, 0, prefill_ms=1000.0)
     s.acquire("a", K, "A", now=1300.0)
     s.beat(K, "B", now=1400.0, busy=False)
-    assert not granted(s.sweep(now=2399.0))
-    assert granted(s.sweep(now=2400.0)) == ["A"]
+    assert granted(s.sweep(now=1400.0)) == ["A"]
+    s.usage(K, "A", 100, 2000)  # A's context was kept beside B's: the server keeps 2,000 tokens at least
+    assert s._affinity_of(K).room == 2000
+    # from here on each holder's rent starts from nothing
+    s.acquire("c", K, "C", now=1500.0)
+    s.beat(K, "A", now=1600.0, busy=False)
+    ((_, hold),) = s.holds(s._queues[K], 1600.0)
+    assert hold.before_ms == 0.0 and hold.switch_ms is not None and not hold.hand_over
+    due = 1600.0 + hold.switch_ms
+    assert not granted(s.sweep(now=due - 1.0))
+    assert granted(s.sweep(now=due)) == ["C"]
+
+
+def test_under_the_cost_rule_while_nothing_is_known_of_what_the_server_keeps_the_rent_is_the_queues() -> None:
+    """Holders whose tenures each idle less than a switch would otherwise keep every slot through
+    every gap, and never find out that switches were free: while no return has told what the
+    server keeps, every holder's idle while someone waited adds up, and once it reaches a switch's
+    cost the switch is made.  Within a holder's tenure this is the rule as ever; across tenures it
+    spends at most one switch's worth of idle before a switch that finds out."""
+    s = cost_scheduler()
+    s.acquire("a", K, "A", role="child", now=0.0)
+    s.usage(K, "A", 2000, 0, prefill_ms=1000.0)  # a switch costs 1 s
+    s.acquire("b", K, "B", role="child", now=0.0)
+    s.beat(K, "A", now=100.0, busy=False)
+    assert s.beat(K, "A", now=700.0, busy=True)  # 0.6 s of B's wait: kept
+    assert granted(s.release(K, "A", now=800.0)) == ["B"]  # A's run is over
+    s.usage(K, "B", 2000, 0, prefill_ms=1000.0)
+    s.acquire("c", K, "C", role="child", now=900.0)
+    s.beat(K, "B", now=1000.0, busy=False)
+    ((_, hold),) = s.holds(s._queues[K], 1000.0)
+    assert hold.before_ms == pytest.approx(600.0) and not hold.hand_over  # A's idle, not B's own
+    assert not granted(s.sweep(now=1399.0))
+    events = s.sweep(now=1400.0)  # 0.4 s more: the queue's idle reached the switch's 1 s
+    assert released(events) == [("B", "idle")] and granted(events) == ["C"]
 
 
 def person_after_a_subagent(turn: bool, spare: bool = False, **policy: Any) -> lq.Scheduler:

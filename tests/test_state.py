@@ -160,9 +160,11 @@ def test_the_tokens_the_server_keeps_outlive_the_daemon() -> None:
     try:
         with DaemonProc(agent_dir) as d:
             d.start()
-            learn(d, kept=True)  # A (1,000) back after B (1,000); B back after A (now 1,010)
+            # A (1,000) back after B (1,000); B back after A (now 1,010): each time the host cache
+            # kept the one that came back beside the slot's, so it keeps 1,000 tokens at least
+            learn(d, kept=True)
             wait_for(lambda: os.path.exists(os.path.join(agent_dir, lq.STATE_FILE))
-                     and state_of(agent_dir)["affinity"][K].get("room") == 2010)
+                     and state_of(agent_dir)["affinity"][K].get("hostRoom") == 1000)
         log = os.path.join(agent_dir, "events.log")
         with DaemonProc(agent_dir, config={"defaults": {"holdRule": "cost", "logFile": log}}) as d:
             d.start()
@@ -173,7 +175,8 @@ def test_the_tokens_the_server_keeps_outlive_the_daemon() -> None:
             assert a.ask({"op": "renew", "queueKey": K, "sessionKey": "A", "busy": False})["busy"] is False
             w.send({"op": "acquire", "queueKey": K, "sessionKey": "W"})
             assert w.recv(5.0)["op"] == "granted"
-            # both contexts (1,000 tokens) fit in the 2,010 it kept: the switch is free, so at once
+            # W's context in the slot and A's (500) in the 1,000 the host cache kept: the switch is
+            # free, so at once
             (release,) = wait_for(lambda: [e for e in lq.read_event_log([log])
                                            if e["event"] == "release" and e["sessionKey"] == "A"])
             assert release["switchTokens"] == 0 and release["rule"] == "hand over", release
@@ -188,9 +191,11 @@ def test_the_tokens_kept_round_trip_and_a_bad_entry_is_left_out() -> None:
                            rooms={"a": (3000, None), "b": (None, 5000), "c": (None, None)})
     assert lq.decode_rooms(data, now) == {"a": (3000, None), "b": (None, 5000)}
     bad = json.dumps({"version": 1, "affinity": {
-        "a": {"kept": [1.0], "at": now, "room": "many"},
-        "b": {"kept": [1.0], "at": now, "room": 5000, "roomCap": 4000},  # bounds that disagree
-        "c": {"kept": [1.0], "at": now - 8 * 86400, "room": 100},  # too old
-        "d": {"kept": [1.0], "at": now, "roomCap": 100}}}).encode()
+        "a": {"kept": [1.0], "at": now, "hostRoom": "many"},
+        "b": {"kept": [1.0], "at": now, "hostRoom": 5000, "hostRoomCap": 4000},  # bounds that disagree
+        "c": {"kept": [1.0], "at": now - 8 * 86400, "hostRoom": 100},  # too old
+        "d": {"kept": [1.0], "at": now, "hostRoomCap": 100},
+        # an older daemon's room counted the slot's context too: not read, learned afresh
+        "e": {"kept": [1.0], "at": now, "room": 3000, "roomCap": 4000}}}).encode()
     assert lq.decode_rooms(bad, now) == {"d": (None, 100)}
     assert lq.decode_rooms(b"\xff", now) == {} and lq.decode_rooms(b"[]", now) == {}
