@@ -1563,18 +1563,18 @@ def hold_cost(affinity: Optional[_Affinity], setting: str, holder: str, waiter: 
         incoming = [first] + [prompts.get(s, median) for s in then]
         lead, larger, held = sum(incoming[:-1]), max(prompts[slot], incoming[-1]), prompts[slot]
         tokens = held * (1.0 - kept_chance(lead + held, room, cap)) if in_use(slot) else 0.0
-        turn = {s: i for i, s in enumerate(then)}  # each runs after the waiter and those before it
+        order = {s: i for i, s in enumerate(then)}  # each runs after the waiter and those before it
         ahead = staying = 0  # the cache's entries ahead of this one: all; those that do not run
         for session in recent[1:]:
             size = prompts[session]
             if session != waiter and in_use(session):
                 # in front of it at the worst: the holder's and the earlier runs' (one in the slot)
-                i = turn.get(session)
+                i = order.get(session)
                 front = lead + larger if i is None else held + sum(incoming[:i])
                 chance = kept_chance(ahead + size, room, cap) - kept_chance(front + staying + size, room, cap)
                 tokens += size * max(0.0, chance)
             ahead += size
-            if session != waiter and session not in turn:
+            if session != waiter and session not in order:
                 staying += size
         bound = f" and lost {_tokens(cap)}" if cap is not None else ""
         why = (f"the server was seen to keep {_tokens(room)} tokens of contexts beside its slot's{bound}: "
@@ -2819,12 +2819,15 @@ class Scheduler:
         done = holder.for_good  # done with its context
         if q.policy.hold_rule == "rules" and setting != "cheap":
             setting = "rules"  # the rules' bound: the most a switch can cost, whatever the room seen
+        affinity = self._affinity.get(q.key)
         then: list[str] = []
-        if setting == "auto" and not done:  # back, it queues behind whoever waits in its tier or above
+        if setting == "auto" and not done and affinity is not None and affinity.room is not None:
+            # back, it queues behind whoever waits in its tier or above (a scan of the waiters:
+            # only where a known room prices their runs)
             then = [w.session for w in heapq.nsmallest(MAX_DEPTH, (w for w in q.waiting.values()
                                                                    if w.role <= holder.role and w is not nxt),
                                                        key=lambda w: (w.role, w.seq))]
-        cost = hold_cost(self._affinity.get(q.key), setting, holder.session, nxt.session,
+        cost = hold_cost(affinity, setting, holder.session, nxt.session,
                          lambda session: q.needed(session, now) and not (done and session == holder.session),
                          idle, then)
         if holder.turn and holder.persons and nxt.role == CHILD and not (
